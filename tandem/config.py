@@ -1,0 +1,180 @@
+"""Every knob of the engine, in one place.
+
+Each field carries its help text in ``metadata``; the CLI builds its flags from these
+dataclasses (see ``tandem.cli_args``), so a default or a description lives here only.
+``validate()`` raises ``ValueError`` naming the offending field.
+
+This module imports no torch: the scheduling core and a simulator use it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+POLICIES = ("static", "prefill-first", "chunked")
+DTYPES = ("auto", "float32", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _help(text: str, **extra: Any) -> dict[str, Any]:
+    return {"help": text, **extra}
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    policy: str = field(
+        default="chunked",
+        metadata=_help(
+            "scheduling policy: 'static' (a batch runs to completion, nobody joins), "
+            "'prefill-first' (continuous batching, whole-prompt prefill steps pause decodes), "
+            "'chunked' (one token budget per step: decodes first, prompt chunks fill the rest)",
+            choices=POLICIES,
+        ),
+    )
+    max_num_seqs: int = field(default=32, metadata=_help("maximum number of requests in a batch"))
+    max_num_batched_tokens: int = field(
+        default=512,
+        metadata=_help(
+            "token budget of one step; for 'chunked' this is the chunk size, the lever between "
+            "TTFT and stream smoothness; for the other policies a prompt longer than it runs alone"
+        ),
+    )
+    long_prefill_token_threshold: int = field(
+        default=0,
+        metadata=_help(
+            "chunked: a prompt longer than this many tokens is 'long' and gets at most this many "
+            "tokens per step (the per-request chunk cap); 0 disables"
+        ),
+    )
+    max_long_partial_prefills: int = field(
+        default=0,
+        metadata=_help(
+            "chunked: at most this many long prompts prefill at once, so short prompts can pass "
+            "them; 0 means no cap"
+        ),
+    )
+
+    def validate(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _non_negative_int("long_prefill_token_threshold", self.long_prefill_token_threshold)
+        _non_negative_int("max_long_partial_prefills", self.max_long_partial_prefills)
+        if self.max_long_partial_prefills and not self.long_prefill_token_threshold:
+            raise ValueError(
+                "max_long_partial_prefills: needs long_prefill_token_threshold > 0 to tell "
+                "which prompts are long"
+            )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = field(default=16, metadata=_help("tokens per KV-cache block"))
+    num_kv_blocks: int | None = field(
+        default=None,
+        metadata=_help("number of KV-cache blocks; overrides --kv-cache-memory-gib when given"),
+    )
+    kv_cache_memory_gib: float = field(
+        default=1.0, metadata=_help("memory budget of the KV cache in GiB (used when no block count)")
+    )
+
+    def validate(self) -> None:
+        _positive_int("block_size", self.block_size)
+        if self.num_kv_blocks is not None:
+            _positive_int("num_kv_blocks", self.num_kv_blocks)
+        if not isinstance(self.kv_cache_memory_gib, (int, float)) or self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"kv_cache_memory_gib: must be > 0, got {self.kv_cache_memory_gib!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = field(
+        default=None,
+        metadata=_help(
+            "a local Hugging Face model directory or a .gguf file; default: the embedded "
+            "Gemma 3 270M (GGUF, converted once and cached)"
+        ),
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=_help(
+            "weights and activations: 'auto' (bfloat16 on CUDA and on CPUs with bf16 support, "
+            "else float32), 'float32', 'bfloat16'",
+            choices=DTYPES,
+        ),
+    )
+    device: str = field(
+        default="auto", metadata=_help("'cpu', 'cuda', or 'auto' (cuda when present)", choices=DEVICES)
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata=_help("context length (prompt + output); default: min(model's, 8192)"),
+    )
+    threads: int | None = field(
+        default=None, metadata=_help("CPU threads for torch; default: the cores available")
+    )
+    cache_dir: str | None = field(
+        default=None, metadata=_help("where converted models are cached; default: the user cache dir")
+    )
+    seed: int = field(default=0, metadata=_help("seed for requests that do not set their own"))
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device: must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+        if self.threads is not None:
+            _positive_int("threads", self.threads)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+    SECTIONS = ("model", "scheduler", "cache")
+
+    def validate(self) -> None:
+        self.model.validate()
+        self.scheduler.validate()
+        self.cache.validate()
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Build from flat keyword arguments (``LLM(policy=..., block_size=...)``)."""
+        parts: dict[str, dict[str, Any]] = {name: {} for name in cls.SECTIONS}
+        owners = {f.name: section for section in cls.SECTIONS for f in dataclasses.fields(_SECTION_TYPES[section])}
+        for key, value in kwargs.items():
+            if key not in owners:
+                raise ValueError(f"{key}: unknown engine option")
+            parts[owners[key]][key] = value
+        config = cls(**{section: _SECTION_TYPES[section](**values) for section, values in parts.items()})
+        config.validate()
+        return config
+
+    def flat(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for section in self.SECTIONS:
+            out.update(dataclasses.asdict(getattr(self, section)))
+        return out
+
+
+_SECTION_TYPES: dict[str, type] = {"model": ModelConfig, "scheduler": SchedulerConfig, "cache": CacheConfig}
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+
+
+def _non_negative_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name}: must be a non-negative integer, got {value!r}")

@@ -1,0 +1,244 @@
+"""The step-wise engine: add requests, call ``step()``, read incremental outputs.
+
+``Engine`` knows nothing of torch: it drives a ``Runner`` (anything with
+``execute(SchedulerOutput) -> RunnerOutput``) and a tokenizer, with an injected clock, so a
+simulator can run the same scheduling code on virtual time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+from tandem.config import SchedulerConfig
+from tandem.core.detokenizer import IncrementalDetokenizer
+from tandem.core.kv_blocks import BlockAllocator
+from tandem.core.request import FinishReason, Request, RequestTiming, SamplingParams, TokenLogprob
+from tandem.core.scheduler import Scheduler
+from tandem.core.step import RunnerOutput, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    def execute(self, output: SchedulerOutput) -> RunnerOutput: ...
+
+
+class TokenizerLike(Protocol):
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@dataclass
+class StepStats:
+    step_id: int
+    start: float
+    duration: float
+    forward_seconds: float
+    kind: str
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_seqs: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preempted: int
+    num_waiting: int
+    num_running: int
+    error: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    timing: RequestTiming
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    error: str | None = None
+
+
+class Engine:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        runner: Runner,
+        tokenizer: TokenizerLike,
+        num_kv_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        clock: Callable[[], float] = time.monotonic,
+        on_step: Callable[[StepStats], None] | None = None,
+    ) -> None:
+        self.clock = clock
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.allocator = BlockAllocator(num_kv_blocks, block_size)
+        self.scheduler = Scheduler(scheduler_config, self.allocator, clock)
+        self.step_stats: list[StepStats] = []
+        self.on_step = on_step
+        self.last_error: str | None = None
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+
+    # --- requests -------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Validate and queue a request; raises ValueError naming the bad field."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority: must be an integer, got {priority!r}")
+        text, ids = self._prompt_ids(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens leave no room for output in the context length "
+                f"of {self.max_model_len} tokens"
+            )
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            params=params,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
+            max_total_tokens=self.max_model_len,
+            eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+            priority=priority,
+            prompt=text,
+        )
+        self.scheduler.add_request(request)
+        self._detok[request_id] = IncrementalDetokenizer(
+            self.tokenizer, ids, params.stop, params.include_stop_str_in_output
+        )
+        return request_id
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            ids = self.tokenizer.encode(prompt)
+            if not ids:
+                raise ValueError("prompt: encodes to no tokens")
+            return prompt, ids
+        if isinstance(prompt, (bytes, dict)) or not isinstance(prompt, Sequence):
+            raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.tokenizer.vocab_size
+        for i, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt: token id at index {i} must be an integer in [0, {vocab}), got {t!r}")
+        return None, ids
+
+    def abort_request(self, request_id: str) -> bool:
+        request = self.scheduler.abort_request(request_id)
+        self._detok.pop(request_id, None)
+        return request is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    # --- one step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        if not self.scheduler.has_unfinished():
+            return []
+        start = self.clock()
+        sched_out = self.scheduler.schedule()
+        error = None
+        if sched_out.is_empty:
+            result = RunnerOutput(sampled={})
+            touched: list[Request] = []
+            failed: list[Request] = []
+        else:
+            try:
+                result = self.runner.execute(sched_out)
+            except Exception as exc:  # one bad step must not take the engine down
+                log.exception("step %d failed", sched_out.step_id)
+                error = f"{type(exc).__name__}: {exc}"
+                self.last_error = error
+                result = RunnerOutput(sampled={})
+                failed = self.scheduler.fail_step(sched_out)
+                touched = []
+            else:
+                failed = []
+                touched = self.scheduler.update(sched_out, result)
+        outputs = [self._output(r) for r in touched]
+        outputs += [self._output(r, error=error) for r in failed]
+        self._record(start, sched_out, result, error)
+        return outputs
+
+    def _output(self, request: Request, error: str | None = None) -> RequestOutput:
+        detok = self._detok[request.request_id]
+        new_ids = request.output_token_ids[-1:] if error is None else []
+        if new_ids:
+            stop = detok.add_tokens(new_ids)
+            if stop is not None and not request.is_finished:
+                self.scheduler.finish(request, FinishReason.STOP)
+        finished = request.is_finished
+        if finished:
+            del self._detok[request.request_id]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            text=detok.text,
+            token_ids=list(request.output_token_ids),
+            delta_text=detok.take_delta(finished),
+            delta_token_ids=new_ids,
+            finished=finished,
+            finish_reason=request.finish_reason.value if request.finish_reason else None,
+            timing=request.timing,
+            logprobs=request.logprobs,
+            error=error,
+        )
+
+    def _record(self, start: float, out: SchedulerOutput, result: RunnerOutput, error: str | None) -> None:
+        stats = StepStats(
+            step_id=out.step_id,
+            start=start,
+            duration=self.clock() - start,
+            forward_seconds=result.forward_seconds,
+            kind=out.kind,
+            num_prefill_tokens=out.num_prefill_tokens,
+            num_decode_tokens=out.num_decode_tokens,
+            num_seqs=len(out.chunks),
+            kv_blocks_used=self.allocator.num_used_blocks,
+            kv_blocks_total=self.allocator.num_blocks,
+            num_preempted=len(out.preempted_ids),
+            num_waiting=self.num_waiting,
+            num_running=self.num_running,
+            error=error,
+        )
+        self.step_stats.append(stats)
+        if self.on_step is not None:
+            self.on_step(stats)

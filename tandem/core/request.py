@@ -1,0 +1,184 @@
+"""A request and its sampling parameters.
+
+Progress is kept as counters, not as a phase flag: ``num_computed_tokens`` of ``num_tokens``
+(prompt + output) have their KV in the cache. A step schedules the next slice of uncomputed
+tokens; when the slice reaches the end, the step samples one new token. A prefill, a prefill
+chunk, a decode and a recompute after preemption are all the same operation.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    """Return the sampled token's logprob and this many top alternatives (0: sampled only)."""
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(self.stop)
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        self.validate()
+
+    def validate(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens: must be a positive integer, got {self.max_tokens!r}")
+        if not _is_number(self.temperature) or self.temperature < 0 or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature: must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1 or self.top_k == 0:
+            raise ValueError(f"top_k: must be -1 (disabled) or a positive integer, got {self.top_k!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop: must be non-empty strings, got {self.stop!r}")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids: must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs: must be an integer in [0, 20], got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"  # max_tokens or the context length reached
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # the step that carried it failed
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class RequestTiming:
+    """Wall-clock times (seconds, the engine clock) of one request's life."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finish is None else self.finish - self.arrival
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    max_total_tokens: int
+    """prompt + output may not exceed this (the context length)."""
+    eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0
+    prompt: str | None = None
+
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    arrival_index: int = 0
+    """Order of arrival, for FCFS ties; set by the scheduler."""
+
+    def __post_init__(self) -> None:
+        self.timing = RequestTiming(arrival=self.arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while more than the last token lacks KV (a prompt, or a recompute)."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    @property
+    def max_tokens_needed(self) -> int:
+        """The most KV slots this request can ever need."""
+        return min(self.num_prompt_tokens + self.params.max_tokens, self.max_total_tokens)
+
+    def sort_key(self) -> tuple[int, int]:
+        """FCFS with an optional integer priority: lower value first, then earlier arrival."""
+        return (self.priority, self.arrival_index)

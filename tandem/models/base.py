@@ -1,0 +1,47 @@
+"""What every model family shares: embeddings, a stack of decoder layers, the output head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tandem.models.layers import ForwardContext, RMSNorm, RotaryEmbedding
+from tandem.models.spec import ModelSpec
+
+
+class CausalLM(nn.Module):
+    """Subclasses build ``self.model.layers``; the forward pass is the same for all."""
+
+    def __init__(self, spec: ModelSpec, max_positions: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.model.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, unit_offset=spec.family == "gemma3")
+        self.rotary = RotaryEmbedding(spec.rope, spec.head_dim, max_positions)
+        if spec.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+
+    def reset_buffers(self, device: torch.device) -> None:
+        for module in self.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.reset(device)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """``input_ids`` [num_tokens] -> final hidden states [num_tokens, hidden]."""
+        x = self.embed(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, ctx)
+        return self.model.norm(x)
+
+    def output_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Only for the rows that are sampled: [n, hidden] -> float32 [n, vocab]."""
+        return torch.nn.functional.linear(hidden, self.output_weight()).float()

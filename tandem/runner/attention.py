@@ -1,0 +1,126 @@
+"""Attention over a paged KV cache for a flattened batch.
+
+A step's tokens arrive flattened, ``[num_tokens, ...]``, mixing prefill chunks and decodes. The
+metadata built once per step (``AttentionMetadata``) maps them into padded per-sequence groups
+(decodes in one group, prompt chunks in another, so a long chunk does not pad every decode to
+its length) and gathers each sequence's keys through its block table. Masks encode causality,
+each sequence's context length and, for sliding-window layers, the window. No Python loop runs
+over sequences inside the forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionGroup:
+    token_index: torch.Tensor  # [S, Q] flat token index per (sequence, query slot); padding -> 0
+    valid: torch.Tensor  # [S, Q] bool, False for padding
+    kv_slots: torch.Tensor  # [S, K] cache slot per (sequence, key position); padding -> 0
+    mask_full: torch.Tensor  # [S, 1, Q, K] bool, True = may attend
+    mask_sliding: torch.Tensor | None  # same, with the sliding window applied
+    out_index: torch.Tensor  # [n_valid] flat token index of each valid (sequence, query) slot
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot each new token's K/V is written to
+    groups: list[AttentionGroup]
+    num_tokens: int
+
+
+def build_metadata(
+    seqs: list[tuple[int, int, list[int]]],
+    block_size: int,
+    sliding_window: int | None,
+    device: torch.device,
+) -> AttentionMetadata:
+    """``seqs``: per sequence ``(start, num_tokens, block_table)``, in flattened order."""
+    slot_mapping: list[int] = []
+    offsets = []
+    offset = 0
+    for start, n, table in seqs:
+        offsets.append(offset)
+        for p in range(start, start + n):
+            slot_mapping.append(table[p // block_size] * block_size + p % block_size)
+        offset += n
+    decode = [i for i, (_, n, _) in enumerate(seqs) if n == 1]
+    prefill = [i for i, (_, n, _) in enumerate(seqs) if n > 1]
+    groups = [
+        _group([seqs[i] for i in idx], [offsets[i] for i in idx], block_size, sliding_window, device)
+        for idx in (decode, prefill)
+        if idx
+    ]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+        groups=groups,
+        num_tokens=offset,
+    )
+
+
+def _group(
+    seqs: list[tuple[int, int, list[int]]],
+    offsets: list[int],
+    block_size: int,
+    sliding_window: int | None,
+    device: torch.device,
+) -> AttentionGroup:
+    num_q = max(n for _, n, _ in seqs)
+    num_k = max(start + n for start, n, _ in seqs)
+    num_blocks = -(-num_k // block_size)
+    starts = torch.tensor([s for s, _, _ in seqs], dtype=torch.long)
+    lens = torch.tensor([n for _, n, _ in seqs], dtype=torch.long)
+    offs = torch.tensor(offsets, dtype=torch.long)
+    tables = torch.zeros(len(seqs), num_blocks, dtype=torch.long)
+    for i, (_, _, table) in enumerate(seqs):
+        used = table[:num_blocks]
+        tables[i, : len(used)] = torch.tensor(used, dtype=torch.long)
+
+    q_slot = torch.arange(num_q)
+    valid = q_slot[None, :] < lens[:, None]  # [S, Q]
+    token_index = torch.where(valid, offs[:, None] + q_slot[None, :], 0)
+    # A padding query sits at position 0 so it still sees one key and softmax stays finite.
+    q_pos = torch.where(valid, starts[:, None] + q_slot[None, :], 0)  # [S, Q]
+    kv_pos = torch.arange(num_k)
+    kv_slots = (tables[:, kv_pos // block_size] * block_size + kv_pos % block_size)  # [S, K]
+    context = (starts + lens)[:, None, None]
+    mask_full = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < context)
+    mask_sliding = None
+    if sliding_window is not None:
+        mask_sliding = mask_full & (kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window)
+        mask_sliding = mask_sliding[:, None].to(device)
+    return AttentionGroup(
+        token_index=token_index.to(device),
+        valid=valid.to(device),
+        kv_slots=kv_slots.to(device),
+        mask_full=mask_full[:, None].to(device),
+        mask_sliding=mask_sliding,
+        out_index=token_index[valid].to(device),
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    k_cache: torch.Tensor,  # [num_slots, KVH, D]
+    v_cache: torch.Tensor,  # [num_slots, KVH, D]
+    meta: AttentionMetadata,
+    scale: float,
+    sliding: bool,
+) -> torch.Tensor:
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    out = q.new_empty(q.shape)
+    for g in meta.groups:
+        qg = q[g.token_index].transpose(1, 2)  # [S, H, Q, D]
+        kg = k_cache[g.kv_slots].transpose(1, 2)  # [S, KVH, K, D]
+        vg = v_cache[g.kv_slots].transpose(1, 2)
+        mask = g.mask_sliding if sliding and g.mask_sliding is not None else g.mask_full
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[g.out_index] = o.transpose(1, 2)[g.valid]  # [n_valid, H, D]
+    return out

@@ -1,0 +1,83 @@
+"""The model runner: turns a SchedulerOutput into one forward pass and sampled tokens.
+
+``execute()`` is the only method the scheduling core relies on. It flattens the step's chunks
+into ``input_ids``/``positions``, builds the attention metadata once, runs the model, computes
+logits only for the rows that sample, and samples them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tandem.core.step import RunnerOutput, SampledToken, SchedulerOutput
+from tandem.models.base import CausalLM
+from tandem.models.layers import ForwardContext
+from tandem.runner.attention import build_metadata
+from tandem.runner.sampler import Sampler
+
+
+def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
+    spec = model.spec
+    elem = torch.empty((), dtype=dtype).element_size()
+    return spec.num_layers * 2 * block_size * spec.num_kv_heads * spec.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+        spec = model.spec
+        # [layer, k/v, slot, kv_head, head_dim]
+        self.kv_cache = torch.zeros(
+            spec.num_layers, 2, num_blocks * block_size, spec.num_kv_heads, spec.head_dim,
+            dtype=dtype, device=device,
+        )
+        self.sliding_window = spec.sliding_window if any(spec.is_sliding(i) for i in range(spec.num_layers)) else None
+        self.sampler = Sampler(device, seed)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        start = time.perf_counter()
+        for request_id in out.finished_ids:
+            self.sampler.forget(request_id)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        for chunk in out.chunks:
+            input_ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start, chunk.end))
+            if chunk.samples:
+                sample_rows.append(len(input_ids) - 1)
+        meta = build_metadata(
+            [(c.start, c.num_tokens, c.block_table) for c in out.chunks],
+            self.block_size,
+            self.sliding_window,
+            self.device,
+        )
+        ctx = ForwardContext(
+            meta=meta,
+            kv_cache=self.kv_cache,
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+        )
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=self.device), ctx)
+        sampling = [c for c in out.chunks if c.samples]
+        sampled: dict[str, SampledToken] = {}
+        if sampling:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            ids = [c.request.request_id for c in sampling]
+            tokens, logprobs = self.sampler.sample(logits, ids, [c.request.params for c in sampling])
+            for rid, tok, lp in zip(ids, tokens, logprobs):
+                sampled[rid] = SampledToken(tok, lp)
+        return RunnerOutput(sampled=sampled, forward_seconds=time.perf_counter() - start)

@@ -1,0 +1,89 @@
+"""Token sampling for the rows of a step that sample: greedy, temperature, top-k, top-p, seeds,
+and logprobs of the sampled token with the top alternatives.
+
+Sampling uses the exponential-race form of the categorical draw (argmax of p / E with
+E ~ Exp(1)), so every row can take its noise from its own seeded generator while the rest of
+the work stays batched. A request's generator lives as long as the request, so the same seed
+gives the same output whatever else shares its steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.core.request import SamplingParams, TokenLogprob
+
+
+class Sampler:
+    def __init__(self, device: torch.device, default_seed: int) -> None:
+        self.device = device
+        self._generators: dict[str, torch.Generator] = {}
+        self._default = torch.Generator(device=device)
+        self._default.manual_seed(default_seed)
+
+    def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        if params.seed is None:
+            return self._default
+        gen = self._generators.get(request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed)
+            self._generators[request_id] = gen
+        return gen
+
+    def sample(
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """``logits``: float32 [n, vocab] -> one token id (and optional logprobs) per row."""
+        n = logits.shape[0]
+        chosen = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            idx = torch.tensor(random_rows, device=logits.device)
+            rows = logits[idx]
+            temps = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
+            rows = _filter_top_k_top_p(
+                rows / temps[:, None],
+                [params[i].top_k for i in random_rows],
+                [params[i].top_p for i in random_rows],
+            )
+            probs = torch.softmax(rows, dim=-1)
+            noise = torch.empty_like(probs)
+            for j, i in enumerate(random_rows):
+                noise[j].exponential_(generator=self._generator(request_ids[i], params[i]))
+            chosen[idx] = (probs / noise).argmax(dim=-1)
+        token_ids = chosen.tolist()
+        logprobs: list[TokenLogprob | None] = [None] * n
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            lp = torch.log_softmax(logits[want], dim=-1)
+            k = max(params[i].logprobs for i in want)
+            top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (None, None)
+            for j, i in enumerate(want):
+                kk = params[i].logprobs
+                top = []
+                if kk:
+                    top = list(zip(top_i[j, :kk].tolist(), top_v[j, :kk].tolist()))
+                logprobs[i] = TokenLogprob(token_ids[i], float(lp[j, token_ids[i]]), top)
+        return token_ids, logprobs
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask (to -inf) what falls outside each row's top-k and nucleus (top-p)."""
+    if all(k == -1 for k in top_k) and all(p >= 1.0 for p in top_p):
+        return logits
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ks = torch.tensor([vocab if k == -1 else min(k, vocab) for k in top_k], device=logits.device)
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    drop = rank >= ks[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    ps = torch.tensor(top_p, device=logits.device, dtype=torch.float32)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Keep a token while the mass before it is below p: the top token always stays.
+    before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(before >= ps[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, sorted_idx, sorted_logits)

@@ -1,0 +1,161 @@
+"""GGUF files: architecture from the metadata, weights dequantized to float32 on load.
+
+Tensor names are mapped to the Hugging Face names our models use, undoing the two changes
+llama.cpp's converter makes: Llama's q/k rows are interleaved for its rope kernel, and Gemma's
+norm weights are stored with the +1 already added.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from tandem.models.spec import FAMILIES, ModelSpec, RopeSpec
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def open_gguf(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:  # a truncated or foreign file
+        raise ValueError(f"model: {path} is not a readable GGUF file ({exc})") from exc
+
+
+def _field(reader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    value = f.contents()
+    return value
+
+
+def spec_from_gguf(reader) -> ModelSpec:
+    arch = _field(reader, "general.architecture")
+    family = FAMILIES.get(arch or "")
+    if family is None:
+        raise ValueError(f"model: unsupported GGUF architecture {arch!r}")
+
+    def get(key: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{key}", default)
+
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    kv_heads = get("attention.head_count_kv", heads)
+    head_dim = int(get("attention.key_length", hidden // heads))
+    names = {t.name for t in reader.tensors}
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else None
+    if vocab is None:
+        embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        vocab = int(embd.shape[-1])
+    scaling_type = get("rope.scaling.type", "none")
+    factor = float(get("rope.scaling.factor", 1.0))
+    rope = RopeSpec(
+        theta=float(get("rope.freq_base", 10000.0)),
+        scaling_type="linear" if scaling_type == "linear" and factor != 1.0 else "default",
+        factor=factor if scaling_type == "linear" else 1.0,
+    )
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    common = dict(
+        family=family,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(kv_heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position_embeddings=int(get("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        rope=rope,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+    if family == "gemma3":
+        n = common["num_layers"]
+        # llama.cpp's Gemma 3: every sixth layer is global, the rest slide with a 10k rope base.
+        return ModelSpec(
+            **common,
+            qk_norm=True,
+            hidden_act="gelu_pytorch_tanh",
+            sliding_window=int(get("attention.sliding_window", 512)),
+            layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)),
+            rope_local=RopeSpec(theta=10000.0),
+            query_pre_attn_scalar=float(head_dim),
+        )
+    return ModelSpec(
+        **common,
+        attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+    )
+
+
+def _hf_name(name: str, family: str) -> str:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _LAYER_RE.match(name)
+    if m is None:
+        raise ValueError(f"model: unknown GGUF tensor {name!r}")
+    layer, part, kind = m.groups()
+    if part == "ffn_norm":
+        target = "pre_feedforward_layernorm" if family == "gemma3" else "post_attention_layernorm"
+    elif part in _LAYER_NAMES:
+        target = _LAYER_NAMES[part]
+    else:
+        raise ValueError(f"model: unknown GGUF tensor {name!r}")
+    return f"model.layers.{layer}.{target}.{kind}"
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of rotary halves in q/k projection rows."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf_weights(reader, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            data = np.asarray(t.data, dtype=np.float32).reshape(shape)
+        elif t.tensor_type == GGMLQuantizationType.BF16:
+            raw = np.asarray(t.data).view(np.uint16).astype(np.uint32) << 16
+            data = raw.view(np.float32).reshape(shape)
+        else:
+            data = dequantize(t.data, t.tensor_type).reshape(shape)
+        name = _hf_name(t.name, spec.family)
+        if spec.family == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            data = _unpermute(data, spec.num_heads)
+        elif spec.family == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            data = _unpermute(data, spec.num_kv_heads)
+        if spec.family == "gemma3" and "norm" in name:
+            data = data - 1.0
+        yield name, torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
