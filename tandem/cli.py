@@ -1,0 +1,95 @@
+"""The ``tandem`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from tandem.cli_args import add_engine_args, engine_config_from_args
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate text from one or more prompts",
+        description="Generate text from prompts with the engine in this process.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a concurrent batch)")
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1, help="-1 disables")
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    p.add_argument("--logprobs", type=int, default=None, help="top alternatives to report per token")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt with timing data")
+    add_engine_args(p)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from tandem.core.request import SamplingParams
+    from tandem.llm import LLM
+
+    config = engine_config_from_args(args)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=config.model.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+    )
+    print("loading model ...", file=sys.stderr, flush=True)
+    llm = LLM(**config.flat())
+    outputs = llm.generate(args.prompt, params)
+    for out in outputs:
+        t = out.timing
+        if args.json:
+            print(json.dumps({
+                "prompt": out.prompt,
+                "text": out.text,
+                "token_ids": out.token_ids,
+                "finish_reason": out.finish_reason,
+                "num_prompt_tokens": len(out.prompt_token_ids),
+                "ttft_s": t.ttft,
+                "e2e_s": t.e2e,
+                "num_preemptions": t.num_preemptions,
+                "logprobs": [
+                    {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in out.logprobs
+                ] or None,
+            }))
+        else:
+            print(f"{out.prompt}\033[1m{out.text}\033[0m" if sys.stdout.isatty() else out.prompt + out.text)
+            n = len(out.token_ids)
+            rate = (n - 1) / (t.e2e - t.ttft) if n > 1 and t.e2e and t.e2e > t.ttft else float("nan")
+            print(
+                f"[{n} tokens, finish={out.finish_reason}, TTFT {t.ttft * 1e3:.0f} ms, "
+                f"{rate:.1f} tok/s after the first]",
+                file=sys.stderr,
+            )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem", description="tandem inference engine")
+    parser.add_argument("--log-level", default="WARNING", help="logging level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "generate":
+            return _run_generate(args)
+    except ValueError as exc:
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
