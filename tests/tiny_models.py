@@ -55,6 +55,8 @@ def build_reference(family: str, seed: int = 0):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(torch.randn_like(p) * 0.3 + (0.0 if family == "gemma3" else 1.0))
+            elif name.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.1)
     return model.eval().float()
 
 
