@@ -7,7 +7,8 @@ import json
 import logging
 import sys
 
-from tandem.cli_args import add_engine_args, engine_config_from_args
+from tandem.cli_args import add_dataclass_args, add_engine_args, dataclass_from_args, engine_config_from_args
+from tandem.config import ServerConfig
 
 
 def _generate_parser(sub) -> None:
@@ -75,16 +76,52 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible HTTP API",
+        description="Serve /v1/completions, /v1/chat/completions, /metrics and friends over HTTP.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_dataclass_args(p, ServerConfig, "server options")
+    add_engine_args(p)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tandem.server.app import build_state, create_app
+
+    engine_config = engine_config_from_args(args)
+    server_config = dataclass_from_args(ServerConfig, args)
+    server_config.validate()
+    print("loading model ...", file=sys.stderr, flush=True)
+    state = build_state(engine_config, server_config)
+    app = create_app(state)
+    print(
+        f"tandem serving {state.model_name!r} on http://{server_config.host}:{server_config.port} "
+        f"(policy {engine_config.scheduler.policy}, {state.engine.allocator.num_blocks} KV blocks)",
+        file=sys.stderr,
+        flush=True,
+    )
+    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=args.log_level.lower(),
+                timeout_graceful_shutdown=5)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description="tandem inference engine")
     parser.add_argument("--log-level", default="WARNING", help="logging level")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _serve_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "generate":
             return _run_generate(args)
+        if args.command == "serve":
+            return _run_serve(args)
     except ValueError as exc:
         print(f"tandem: error: {exc}", file=sys.stderr)
         return 2

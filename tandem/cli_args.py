@@ -19,31 +19,35 @@ def _arg_type(tp) -> type:
     return base if base in (int, float, str) else str
 
 
-def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    hints = {}
-    for section in EngineConfig.SECTIONS:
-        cls = typing.get_type_hints(EngineConfig)[section]
-        group = parser.add_argument_group(f"{section} options")
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if f.name in skip:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            default = f.default if f.default is not dataclasses.MISSING else None
-            group.add_argument(
-                flag,
-                dest=f.name,
-                type=_arg_type(hints[f.name]),
-                default=default,
-                choices=f.metadata.get("choices"),
-                help=f.metadata.get("help", ""),
-            )
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        group.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=_arg_type(hints[f.name]),
+            default=f.default if f.default is not dataclasses.MISSING else None,
+            choices=f.metadata.get("choices"),
+            help=f.metadata.get("help", ""),
+        )
+
+
+def dataclass_from_args(cls: type, args: argparse.Namespace):
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _sections() -> list[tuple[str, type]]:
+    hints = typing.get_type_hints(EngineConfig)
+    return [(name, hints[name]) for name in EngineConfig.SECTIONS]
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    for name, cls in _sections():
+        add_dataclass_args(parser, cls, f"{name} options")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    names = {
-        f.name
-        for section in EngineConfig.SECTIONS
-        for f in dataclasses.fields(typing.get_type_hints(EngineConfig)[section])
-    }
-    return EngineConfig.from_kwargs(**{k: v for k, v in vars(args).items() if k in names})
+    config = EngineConfig(**{name: dataclass_from_args(cls, args) for name, cls in _sections()})
+    config.validate()
+    return config

@@ -178,3 +178,39 @@ def _positive_int(name: str, value: Any) -> None:
 def _non_negative_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{name}: must be a non-negative integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = field(default="127.0.0.1", metadata=_help("address to listen on"))
+    port: int = field(default=8000, metadata=_help("port to listen on"))
+    served_model_name: str | None = field(
+        default=None, metadata=_help("model name clients use; default: the model's path or 'gemma-3-270m'")
+    )
+    api_key: str | None = field(
+        default=None,
+        metadata=_help("require 'Authorization: Bearer KEY' on /v1 routes (or set TANDEM_API_KEY)"),
+    )
+    max_waiting: int = field(
+        default=256, metadata=_help("bound of the waiting queue; beyond it requests get 429 with Retry-After")
+    )
+    max_request_bytes: int = field(default=1 << 20, metadata=_help("largest accepted request body (413 beyond)"))
+    trace: str | None = field(
+        default=None, metadata=_help("write the step timeline as Chrome trace JSON to this file on shutdown")
+    )
+    peak_flops: float | None = field(
+        default=None, metadata=_help("peak FLOP/s for utilization metrics; default: measured at start-up")
+    )
+    peak_memory_bandwidth: float | None = field(
+        default=None, metadata=_help("peak memory bytes/s for utilization metrics; default: measured at start-up")
+    )
+
+    def validate(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port: must be in [0, 65535], got {self.port!r}")
+        _positive_int("max_waiting", self.max_waiting)
+        _positive_int("max_request_bytes", self.max_request_bytes)
+        for name in ("peak_flops", "peak_memory_bandwidth"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"{name}: must be > 0, got {value!r}")

@@ -52,6 +52,12 @@ class StepStats:
     num_waiting: int
     num_running: int
     error: str | None = None
+    chunks: tuple[tuple[str, int, int, bool, bool], ...] = ()
+    """Per scheduled chunk: (request_id, start position, tokens, is_decode, samples)."""
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(1 for c in self.chunks if c[4])
 
 
 @dataclass
@@ -81,6 +87,7 @@ class Engine:
         max_model_len: int,
         clock: Callable[[], float] = time.monotonic,
         on_step: Callable[[StepStats], None] | None = None,
+        record_steps: bool = True,
     ) -> None:
         self.clock = clock
         self.runner = runner
@@ -89,6 +96,7 @@ class Engine:
         self.allocator = BlockAllocator(num_kv_blocks, block_size)
         self.scheduler = Scheduler(scheduler_config, self.allocator, clock)
         self.step_stats: list[StepStats] = []
+        self.record_steps = record_steps  # a long-running server keeps none; on_step sees each
         self.on_step = on_step
         self.last_error: str | None = None
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -104,6 +112,17 @@ class Engine:
         priority: int = 0,
     ) -> str:
         """Validate and queue a request; raises ValueError naming the bad field."""
+        return self.add(self.make_request(prompt, params, request_id, arrival_time, priority))
+
+    def make_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> Request:
+        """Tokenize and validate without touching the engine's state (safe from other threads)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
@@ -116,9 +135,8 @@ class Engine:
                 f"prompt: {len(ids)} tokens leave no room for output in the context length "
                 f"of {self.max_model_len} tokens"
             )
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = Request(
-            request_id=request_id,
+            request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
             prompt_token_ids=ids,
             params=params,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
@@ -127,11 +145,17 @@ class Engine:
             priority=priority,
             prompt=text,
         )
+        self.scheduler.check_fits(request)
+        return request
+
+    def add(self, request: Request) -> str:
+        """Queue a request built by ``make_request``."""
         self.scheduler.add_request(request)
-        self._detok[request_id] = IncrementalDetokenizer(
-            self.tokenizer, ids, params.stop, params.include_stop_str_in_output
+        params = request.params
+        self._detok[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, params.stop, params.include_stop_str_in_output
         )
-        return request_id
+        return request.request_id
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -238,7 +262,11 @@ class Engine:
             num_waiting=self.num_waiting,
             num_running=self.num_running,
             error=error,
+            chunks=tuple(
+                (c.request.request_id, c.start, c.num_tokens, c.is_decode, c.samples) for c in out.chunks
+            ),
         )
-        self.step_stats.append(stats)
+        if self.record_steps:
+            self.step_stats.append(stats)
         if self.on_step is not None:
             self.on_step(stats)

@@ -46,6 +46,15 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        self.check_fits(request)
+        request.arrival_index = self._arrivals
+        self._arrivals += 1
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self._enqueue_waiting(request)
+
+    def check_fits(self, request: Request) -> None:
+        """Reject, at admission, a request that could never fit in the whole KV cache."""
         needed = self.allocator.blocks_for(request.max_tokens_needed)
         if needed > self.allocator.num_blocks:
             raise RequestRejected(
@@ -54,11 +63,6 @@ class Scheduler:
                 f"of {self.allocator.block_size} tokens; shorten the prompt or max_tokens, or "
                 "give the KV cache more memory"
             )
-        request.arrival_index = self._arrivals
-        self._arrivals += 1
-        request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
-        self._enqueue_waiting(request)
 
     def abort_request(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)

@@ -1,0 +1,137 @@
+"""Prometheus metrics, named as vLLM names them (prefix ``tandem:``) so dashboards carry over.
+
+Request metrics are observed when a request finishes, from its RequestTiming (the one
+definition of TTFT, ITL, TPOT, E2E and queue time); step metrics after every step, from
+StepStats. Utilization is averaged over the steps of the last ``window_s`` seconds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tandem.core.engine import Engine, RequestOutput, StepStats
+from tandem.utilization import ModelCost, Peaks
+
+_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+            20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, cost: ModelCost, peaks: Peaks, window_s: float = 10.0) -> None:
+        self.registry = r = CollectorRegistry()
+        self.cost = cost
+        self.peaks = peaks
+        self.window_s = window_s
+        m = ["model_name"]
+        self._model = model_name
+
+        def hist(name, doc, buckets, labels=()):
+            return Histogram(f"tandem:{name}", doc, [*m, *labels], buckets=buckets, registry=r)
+
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first output token.", _LATENCY)
+        self.itl = hist("inter_token_latency_seconds", "Gap between consecutive output tokens.", _ITL)
+        self.tpot = hist("request_time_per_output_token_seconds",
+                         "Per request: (e2e - TTFT) / (output tokens - 1).", _ITL)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to last token.", _LATENCY)
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY)
+        self.prefill_time = hist("request_prefill_time_seconds", "First scheduled to first token.", _LATENCY)
+        self.decode_time = hist("request_decode_time_seconds", "First token to last token.", _LATENCY)
+        self.prompt_hist = hist("request_prompt_tokens", "Prompt tokens per request.", _TOKENS)
+        self.gen_hist = hist("request_generation_tokens", "Output tokens per request.", _TOKENS)
+        self.step_duration = hist("step_duration_seconds", "Duration of an engine step by kind.", _LATENCY, ["kind"])
+        self.step_tokens = hist("step_tokens", "Tokens in a step, prefill and decode.", _TOKENS, ["type"])
+        self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens of finished requests.", m, registry=r)
+        self.generation_tokens = Counter("tandem:generation_tokens", "Output tokens generated.", m, registry=r)
+        self.preemptions = Counter("tandem:num_preemptions", "Requests preempted (KV freed, recomputed later).",
+                                   m, registry=r)
+        self.success = Counter("tandem:request_success", "Finished requests by finish reason.",
+                               [*m, "finished_reason"], registry=r)
+        self.rejected = Counter("tandem:request_rejected", "Requests refused before queueing, by reason.",
+                                [*m, "reason"], registry=r)
+        self.running = Gauge("tandem:num_requests_running", "Requests in the running batch.", m, registry=r)
+        self.waiting = Gauge("tandem:num_requests_waiting", "Requests waiting to be scheduled.", m, registry=r)
+        self.kv_usage = Gauge("tandem:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
+                              m, registry=r)
+        self.mfu = Gauge("tandem:model_flops_utilization",
+                         "Achieved FLOP/s over the measured peak, recent steps (0-1).", m, registry=r)
+        self.mbu = Gauge("tandem:memory_bandwidth_utilization",
+                         "Bytes read per second over the measured peak bandwidth, recent steps (0-1).",
+                         m, registry=r)
+        self.busy = Gauge("tandem:engine_busy_fraction", "Fraction of recent wall time spent in steps (0-1).",
+                          m, registry=r)
+        Gauge("tandem:peak_flops", "Peak FLOP/s used for utilization.", m, registry=r).labels(model_name).set(
+            peaks.flops_per_s)
+        Gauge("tandem:peak_memory_bandwidth_bytes", "Peak bytes/s used for utilization.", m,
+              registry=r).labels(model_name).set(peaks.bytes_per_s)
+        self._recent: deque[tuple[float, float, float, float]] = deque()  # (end, duration, flops, bytes)
+        self._lock = threading.Lock()
+        for g in (self.running, self.waiting, self.kv_usage, self.mfu, self.mbu, self.busy):
+            g.labels(model_name).set(0)
+
+    # --- observers (engine loop thread) -------------------------------------------------------------
+    def on_step(self, s: StepStats, engine: Engine) -> None:
+        lm = self._model
+        self.step_duration.labels(lm, s.kind).observe(s.duration)
+        if s.num_prefill_tokens:
+            self.step_tokens.labels(lm, "prefill").observe(s.num_prefill_tokens)
+        if s.num_decode_tokens:
+            self.step_tokens.labels(lm, "decode").observe(s.num_decode_tokens)
+        if s.error is None:
+            self.generation_tokens.labels(lm).inc(s.num_sampled)
+        if s.num_preempted:
+            self.preemptions.labels(lm).inc(s.num_preempted)
+        self.running.labels(lm).set(engine.num_running)
+        self.waiting.labels(lm).set(engine.num_waiting)
+        self.kv_usage.labels(lm).set(s.kv_blocks_used / s.kv_blocks_total)
+        flops, nbytes = self.cost.step(((c[1], c[2]) for c in s.chunks), s.num_sampled)
+        with self._lock:
+            end = s.start + s.duration
+            self._recent.append((end, s.duration, flops, nbytes))
+            self._refresh(end)
+
+    def _refresh(self, now: float) -> None:
+        while self._recent and self._recent[0][0] < now - self.window_s:
+            self._recent.popleft()
+        busy = sum(d for _, d, _, _ in self._recent)
+        lm = self._model
+        if busy > 0:
+            self.mfu.labels(lm).set(sum(f for *_, f, _ in self._recent) / busy / self.peaks.flops_per_s)
+            self.mbu.labels(lm).set(sum(b for *_, b in self._recent) / busy / self.peaks.bytes_per_s)
+        self.busy.labels(lm).set(min(1.0, busy / self.window_s))
+
+    def on_finish(self, out: RequestOutput) -> None:
+        lm, t = self._model, out.timing
+        self.success.labels(lm, out.finish_reason or "unknown").inc()
+        self.prompt_tokens.labels(lm).inc(len(out.prompt_token_ids))
+        self.prompt_hist.labels(lm).observe(len(out.prompt_token_ids))
+        self.gen_hist.labels(lm).observe(len(out.token_ids))
+        if t.queue_time is not None:
+            self.queue.labels(lm).observe(t.queue_time)
+        if t.ttft is not None:
+            self.ttft.labels(lm).observe(t.ttft)
+            if t.first_scheduled is not None:
+                self.prefill_time.labels(lm).observe(t.first_token - t.first_scheduled)
+        for gap in t.itls:
+            self.itl.labels(lm).observe(gap)
+        if t.e2e is not None:
+            self.e2e.labels(lm).observe(t.e2e)
+            if t.first_token is not None:
+                self.decode_time.labels(lm).observe(t.finish - t.first_token)
+            if len(out.token_ids) > 1 and t.ttft is not None:
+                self.tpot.labels(lm).observe((t.e2e - t.ttft) / (len(out.token_ids) - 1))
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(self._model, reason).inc()
+
+    def render(self, engine_waiting: int | None = None) -> bytes:
+        with self._lock:
+            self._refresh(time.monotonic())
+        if engine_waiting is not None:
+            self.waiting.labels(self._model).set(engine_waiting)
+        return generate_latest(self.registry)

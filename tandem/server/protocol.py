@@ -1,0 +1,196 @@
+"""OpenAI request bodies (validated strictly: a wrong type is a 400 naming the field) and the
+error shape ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tandem.core.request import SamplingParams
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_ or _TYPES.get(status, "server_error")
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value" if param else None)
+
+
+def from_value_error(exc: ValueError) -> APIError:
+    """Engine errors are 'field: message'; the field becomes the error's param."""
+    text = str(exc)
+    head, sep, _ = text.partition(":")
+    param = head.strip() if sep and head.strip().replace("_", "").replace("[", "").replace("]", "").isalnum() else None
+    return bad_request(text, param)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    # extensions
+    top_k: int | None = None
+    ignore_eos: bool = False
+    priority: int = 0
+    stop_token_ids: list[int] | None = None
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None, default_max: int) -> SamplingParams:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise bad_request(f"{name}: not supported by this server (only 0)", name)
+        if not 1 <= self.n <= 16:
+            raise bad_request(f"n: must be between 1 and 16, got {self.n}", "n")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > 16:
+            raise bad_request("stop: at most 16 stop strings", "stop")
+        try:
+            return SamplingParams(
+                max_tokens=default_max if max_tokens is None else max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=-1 if self.top_k is None else self.top_k,
+                seed=self.seed,
+                stop=stop,
+                stop_token_ids=self.stop_token_ids or (),
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+            )
+        except ValueError as exc:
+            raise from_value_error(exc) from None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def sampling_params(self, default_max: int) -> SamplingParams:
+        if self.echo:
+            raise bad_request("echo: not supported by this server", "echo")
+        if self.suffix:
+            raise bad_request("suffix: not supported by this server", "suffix")
+        return self._sampling(self.max_tokens, self.logprobs, default_max)
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise bad_request("prompt: must not be empty", "prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def sampling_params(self, default_max: int) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs: requires logprobs: true", "top_logprobs")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        lp = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling(max_tokens, lp, default_max)
+
+    def plain_messages(self, roles: tuple[str, ...]) -> list[dict[str, str]]:
+        if not self.messages:
+            raise bad_request("messages: must not be empty", "messages")
+        out = []
+        for i, m in enumerate(self.messages):
+            if m.role not in roles:
+                raise bad_request(f"messages[{i}].role: unknown role {m.role!r}; expected one of {', '.join(roles)}",
+                                  f"messages[{i}].role")
+            content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+            out.append({"role": m.role, "content": content})
+        return out
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    tokens: list[int] = Field(default_factory=list)
+
+
+def validate(model: type[BaseModel], data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = [str(x) for x in err["loc"] if not isinstance(x, int) or True]
+        # keep field names and list indexes, drop pydantic's union-branch tags
+        parts: list[str] = []
+        for x in err["loc"]:
+            if isinstance(x, int):
+                parts.append(f"[{x}]")
+            elif x in ("str", "int", "float", "bool", "list[str]", "list[int]", "list[list[int]]",
+                       "list[TextPart]", "TextPart", "StreamOptions") or "[" in str(x):
+                continue
+            else:
+                parts.append(("." if parts else "") + str(x))
+        param = "".join(parts) or (loc[0] if loc else None)
+        raise bad_request(f"{param}: {err['msg']}", param) from None

@@ -1,0 +1,103 @@
+"""The step timeline as a Chrome trace (JSON; opens in Perfetto or chrome://tracing).
+
+Process "engine" has one track of steps, each labelled with its prefill/decode token mix, and
+counter tracks for KV usage and queue lengths. Process "requests" has one track per request:
+a "queued" span from arrival to first scheduling, then one span per step that carried the
+request — "prefill" chunks with their token counts, then "decode" — so a long prompt's chunks
+can be seen riding along with other requests' decode steps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from pathlib import Path
+
+from tandem.core.engine import RequestOutput, StepStats
+
+log = logging.getLogger(__name__)
+
+_ENGINE_PID, _REQUESTS_PID = 1, 2
+MAX_EVENTS = 2_000_000  # ~ a few hundred MB of JSON; recording stops (with a warning) beyond it
+
+
+def _us(seconds: float) -> float:
+    return round(seconds * 1e6, 1)
+
+
+class TraceRecorder:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._tids: dict[str, int] = {}
+        self._full = False
+        self.events: list[dict] = [
+            {"ph": "M", "pid": _ENGINE_PID, "name": "process_name", "args": {"name": "engine"}},
+            {"ph": "M", "pid": _ENGINE_PID, "tid": 0, "name": "thread_name", "args": {"name": "steps"}},
+            {"ph": "M", "pid": _REQUESTS_PID, "name": "process_name", "args": {"name": "requests"}},
+        ]
+
+    def _tid(self, request_id: str) -> int:
+        tid = self._tids.get(request_id)
+        if tid is None:
+            tid = self._tids[request_id] = len(self._tids) + 1
+            self.events.append(
+                {"ph": "M", "pid": _REQUESTS_PID, "tid": tid, "name": "thread_name", "args": {"name": request_id}}
+            )
+        return tid
+
+    def _room(self) -> bool:
+        if len(self.events) < MAX_EVENTS:
+            return True
+        if not self._full:
+            log.warning("trace: %d events recorded; no more are kept", MAX_EVENTS)
+            self._full = True
+        return False
+
+    def on_step(self, s: StepStats) -> None:
+        with self._lock:
+            if not self._room():
+                return
+            ts, dur = _us(s.start), _us(s.duration)
+            self.events.append({
+                "ph": "X", "pid": _ENGINE_PID, "tid": 0, "ts": ts, "dur": dur,
+                "name": f"{s.kind} P{s.num_prefill_tokens} D{s.num_decode_tokens}",
+                "args": {
+                    "step": s.step_id, "kind": s.kind, "prefill_tokens": s.num_prefill_tokens,
+                    "decode_tokens": s.num_decode_tokens, "seqs": s.num_seqs, "kv_blocks_used": s.kv_blocks_used,
+                    "preempted": s.num_preempted, "error": s.error,
+                },
+            })
+            self.events.append({"ph": "C", "pid": _ENGINE_PID, "ts": ts, "name": "kv_blocks_used",
+                                "args": {"used": s.kv_blocks_used}})
+            self.events.append({"ph": "C", "pid": _ENGINE_PID, "ts": ts, "name": "requests",
+                                "args": {"running": s.num_running, "waiting": s.num_waiting}})
+            for request_id, start, n, is_decode, _ in s.chunks:
+                name = "decode" if is_decode else f"prefill {n} tok"
+                self.events.append({
+                    "ph": "X", "pid": _REQUESTS_PID, "tid": self._tid(request_id), "ts": ts, "dur": dur,
+                    "name": name, "args": {"step": s.step_id, "positions": [start, start + n]},
+                })
+
+    def on_finish(self, out: RequestOutput) -> None:
+        t = out.timing
+        with self._lock:
+            if not self._room():
+                return
+            tid = self._tid(out.request_id)
+            if t.first_scheduled is not None:
+                self.events.append({"ph": "X", "pid": _REQUESTS_PID, "tid": tid, "ts": _us(t.arrival),
+                                    "dur": _us(t.first_scheduled - t.arrival), "name": "queued"})
+            if t.finish is not None:
+                self.events.append({"ph": "i", "pid": _REQUESTS_PID, "tid": tid, "ts": _us(t.finish), "s": "t",
+                                    "name": f"finish: {out.finish_reason}",
+                                    "args": {"output_tokens": len(out.token_ids), "preemptions": t.num_preemptions}})
+
+    def write(self) -> Path:
+        with self._lock:
+            data = {"traceEvents": list(self.events), "displayTimeUnit": "ms"}
+        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(self.path)
+        return self.path
