@@ -176,10 +176,12 @@ class Engine:
                 raise ValueError(f"prompt: token id at index {i} must be an integer in [0, {vocab}), got {t!r}")
         return None, ids
 
-    def abort_request(self, request_id: str) -> bool:
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a waiting or running request; returns its final output (None if unknown)."""
         request = self.scheduler.abort_request(request_id)
-        self._detok.pop(request_id, None)
-        return request is not None
+        if request is None:
+            return None
+        return self._output(request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -223,7 +225,8 @@ class Engine:
 
     def _output(self, request: Request, error: str | None = None) -> RequestOutput:
         detok = self._detok[request.request_id]
-        new_ids = request.output_token_ids[-1:] if error is None else []
+        aborted = request.finish_reason is FinishReason.ABORT
+        new_ids = request.output_token_ids[-1:] if error is None and not aborted else []
         if new_ids:
             stop = detok.add_tokens(new_ids)
             if stop is not None and not request.is_finished:

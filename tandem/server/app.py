@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import os
@@ -88,16 +89,8 @@ def create_app(state: ServerState) -> FastAPI:
         log.exception("unhandled error")
         return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body(), status_code=500)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if state.api_key and request.url.path.startswith("/v1"):
-            header = request.headers.get("authorization", "")
-            if header != f"Bearer {state.api_key}":
-                state.metrics.reject("unauthorized")
-                err = APIError(401, "missing or wrong API key (expected 'Authorization: Bearer <key>')",
-                               code="invalid_api_key")
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+    if state.api_key:
+        app.add_middleware(BearerAuth, state=state)
 
     # --- plain routes -----------------------------------------------------------------------------
     @app.get("/health")
@@ -124,7 +117,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        body = state.metrics.render(engine_waiting=state.async_engine.num_waiting())
+        ae = state.async_engine
+        body = state.metrics.render(ae.engine.num_running, ae.num_waiting(), ae.engine.allocator.usage)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/tokenize")
@@ -172,6 +166,27 @@ def create_app(state: ServerState) -> FastAPI:
         return await _respond(state, request, jobs, req, chat=True)
 
     return app
+
+
+class BearerAuth:
+    """Plain ASGI middleware (not BaseHTTPMiddleware, which hides client disconnects from the
+    routes): every /v1 route needs ``Authorization: Bearer <key>``."""
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+        self.expected = f"Bearer {state.api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(auth, self.expected):
+                self.state.metrics.reject("unauthorized")
+                err = APIError(401, "missing or wrong API key (expected 'Authorization: Bearer <key>')",
+                               code="invalid_api_key")
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 # --- request handling helpers -------------------------------------------------------------------------

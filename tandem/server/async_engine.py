@@ -127,7 +127,9 @@ class AsyncEngine:
                     self._push(request.request_id, exc)
                     self._close(request.request_id)
             for request_id in aborts:  # after the adds: an abort may follow its add closely
-                engine.abort_request(request_id)
+                out = engine.abort_request(request_id)
+                if out is not None and self._on_finish is not None:
+                    self._on_finish(out)
                 self._close(request_id)
             if not engine.has_unfinished_requests():
                 continue

@@ -129,9 +129,11 @@ class ServerMetrics:
     def reject(self, reason: str) -> None:
         self.rejected.labels(self._model, reason).inc()
 
-    def render(self, engine_waiting: int | None = None) -> bytes:
+    def render(self, num_running: int, num_waiting: int, kv_usage: float) -> bytes:
+        """Gauges are read live here: after an abort on an idle engine no step reports them."""
         with self._lock:
             self._refresh(time.monotonic())
-        if engine_waiting is not None:
-            self.waiting.labels(self._model).set(engine_waiting)
+        self.running.labels(self._model).set(num_running)
+        self.waiting.labels(self._model).set(num_waiting)
+        self.kv_usage.labels(self._model).set(kv_usage)
         return generate_latest(self.registry)
