@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 from tandem.cli_args import add_dataclass_args, add_engine_args, dataclass_from_args, engine_config_from_args
 from tandem.config import ServerConfig
@@ -109,12 +110,44 @@ def _run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_parser(sub) -> None:
+    from tandem.bench.config import BenchConfig
+
+    p = sub.add_parser(
+        "bench",
+        help="load-test an OpenAI-compatible server (or the engine in-process) and report",
+        description="Replay a workload against any OpenAI-compatible server (tandem, vLLM, llama.cpp's "
+        "llama-server, TGI) or tandem's engine in-process; write result.json, summary.md, report.html and plots.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_dataclass_args(p, BenchConfig, "bench options")
+    add_engine_args(p, skip=("model", "seed"))
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from tandem.bench.config import BenchConfig
+    from tandem.bench.main import run_bench
+
+    cfg = dataclass_from_args(BenchConfig, args)
+    engine_config = (engine_config_from_args(args, model=cfg.model, seed=cfg.seed)
+                     if cfg.backend == "inprocess" else None)
+    out = run_bench(cfg, engine_config)
+    summary = out["summary"]
+    if "levels" in summary:
+        print(Path(cfg.result_dir, "sweep.md").read_text())
+    else:
+        print(Path(cfg.result_dir, "summary.md").read_text())
+    print("wrote: " + ", ".join(out["paths"]), file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description="tandem inference engine")
     parser.add_argument("--log-level", default="WARNING", help="logging level")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)
+    _bench_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -122,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run_generate(args)
         if args.command == "serve":
             return _run_serve(args)
+        if args.command == "bench":
+            return _run_bench(args)
     except ValueError as exc:
         print(f"tandem: error: {exc}", file=sys.stderr)
         return 2

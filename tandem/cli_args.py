@@ -19,22 +19,40 @@ def _arg_type(tp) -> type:
     return base if base in (int, float, str) else str
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str, skip: tuple[str, ...] = ()) -> None:
     group = parser.add_argument_group(title)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        group.add_argument(
-            "--" + f.name.replace("_", "-"),
-            dest=f.name,
-            type=_arg_type(hints[f.name]),
-            default=f.default if f.default is not dataclasses.MISSING else None,
-            choices=f.metadata.get("choices"),
-            help=f.metadata.get("help", ""),
-        )
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+        else:
+            default = f.default
+        if hints[f.name] is bool:
+            group.add_argument(flag, dest=f.name, action="store_true", default=default, help=help_text)
+        elif "nargs" in f.metadata:
+            group.add_argument(flag, dest=f.name, nargs=f.metadata["nargs"], default=default, help=help_text)
+        else:
+            group.add_argument(
+                flag,
+                dest=f.name,
+                type=_arg_type(hints[f.name]),
+                default=default,
+                choices=f.metadata.get("choices"),
+                help=help_text,
+            )
 
 
-def dataclass_from_args(cls: type, args: argparse.Namespace):
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+def dataclass_from_args(cls: type, args: argparse.Namespace, **override):
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    values.update(override)
+    for f in dataclasses.fields(cls):  # list-valued flags arrive as lists
+        if isinstance(values.get(f.name), list):
+            values[f.name] = tuple(values[f.name])
+    return cls(**values)
 
 
 def _sections() -> list[tuple[str, type]]:
@@ -42,12 +60,16 @@ def _sections() -> list[tuple[str, type]]:
     return [(name, hints[name]) for name in EngineConfig.SECTIONS]
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     for name, cls in _sections():
-        add_dataclass_args(parser, cls, f"{name} options")
+        add_dataclass_args(parser, cls, f"{name} options", skip)
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    config = EngineConfig(**{name: dataclass_from_args(cls, args) for name, cls in _sections()})
+def engine_config_from_args(args: argparse.Namespace, **override) -> EngineConfig:
+    config = EngineConfig(**{
+        name: dataclass_from_args(cls, args, **{k: v for k, v in override.items()
+                                                if k in {f.name for f in dataclasses.fields(cls)}})
+        for name, cls in _sections()
+    })
     config.validate()
     return config

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from tandem.metrics import itls
+
 
 @dataclass
 class SamplingParams:
@@ -111,7 +113,7 @@ class RequestTiming:
 
     @property
     def itls(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+        return itls(self.token_times)
 
 
 @dataclass(eq=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -107,6 +108,13 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/version")
     async def version():
         return {"version": tandem.__version__}
+
+    @app.get("/config")
+    async def config():
+        """The engine and server settings, so a benchmark can record what it ran against."""
+        server = {k: v for k, v in dataclasses.asdict(state.config).items() if k != "api_key"}
+        return {"engine": state.engine_config.flat(), "server": server, "model": state.model_name,
+                "num_kv_blocks": state.engine.allocator.num_blocks, "max_model_len": state.engine.max_model_len}
 
     @app.get("/v1/models")
     async def models():

@@ -14,6 +14,7 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tandem.core.engine import Engine, RequestOutput, StepStats
+from tandem.metrics import tpot
 from tandem.utilization import ModelCost, Peaks
 
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -123,8 +124,9 @@ class ServerMetrics:
             self.e2e.labels(lm).observe(t.e2e)
             if t.first_token is not None:
                 self.decode_time.labels(lm).observe(t.finish - t.first_token)
-            if len(out.token_ids) > 1 and t.ttft is not None:
-                self.tpot.labels(lm).observe((t.e2e - t.ttft) / (len(out.token_ids) - 1))
+            per_token = tpot(t.ttft, t.e2e, len(out.token_ids)) if t.ttft is not None else None
+            if per_token is not None:
+                self.tpot.labels(lm).observe(per_token)
 
     def reject(self, reason: str) -> None:
         self.rejected.labels(self._model, reason).inc()

@@ -1,0 +1,102 @@
+"""Every knob of `tandem bench`; flags are derived from this dataclass. Names follow
+`vllm bench serve` wherever that tool has the same concept."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from tandem.config import _help
+
+BACKENDS = ("openai", "openai-chat", "inprocess")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    backend: str = field(default="openai", metadata=_help(
+        "'openai' (/v1/completions of any OpenAI-compatible server), 'openai-chat' "
+        "(/v1/chat/completions), or 'inprocess' (tandem's engine in this process, free of HTTP)",
+        choices=BACKENDS))
+    base_url: str = field(default="http://127.0.0.1:8000", metadata=_help("server to benchmark"))
+    endpoint: str | None = field(default=None, metadata=_help(
+        "API path; default: /v1/completions, or /v1/chat/completions for openai-chat"))
+    model: str | None = field(default=None, metadata=_help(
+        "model name sent to the server (default: the first of /v1/models); for the inprocess backend, "
+        "the model path (default: the embedded Gemma 3 270M)"))
+    tokenizer: str | None = field(default=None, metadata=_help(
+        "tokenizer used to build prompts of exact token lengths: a HF model directory or .gguf file "
+        "(default: the embedded Gemma 3 270M's; for inprocess, the engine's)"))
+    api_key: str | None = field(default=None, metadata=_help("Bearer key (or OPENAI_API_KEY)"))
+    workload: str | None = field(default=None, metadata=_help(
+        "a workload YAML/JSON file (dataset, classes, arrivals); when given, it replaces the dataset, "
+        "length and arrival flags"))
+    save_workload: str | None = field(default=None, metadata=_help("write the effective workload to this file"))
+    dataset_name: str = field(default="random", metadata=_help(
+        "sharegpt | random | mixed | trace", choices=("sharegpt", "random", "mixed", "trace")))
+    dataset_path: str | None = field(default=None, metadata=_help(
+        "ShareGPT JSON file; for random/mixed, real text to cut prompts from; for trace, a JSONL of "
+        "{timestamp, input_len, output_len[, class]}"))
+    num_prompts: int = field(default=100, metadata=_help("number of requests"))
+    request_rate: float = field(default=math.inf, metadata=_help("requests per second; inf sends all at once"))
+    burstiness: float = field(default=1.0, metadata=_help(
+        "gamma shape of inter-arrival times: 1 = Poisson, < 1 burstier, > 1 more regular"))
+    arrival: str = field(default="poisson", metadata=_help(
+        "arrival process: poisson (gamma with --burstiness) or constant", choices=("poisson", "gamma", "constant")))
+    max_concurrency: int | None = field(default=None, metadata=_help(
+        "at most this many requests in flight (with --request-rate inf: a closed loop)"))
+    random_input_len: int = field(default=256, metadata=_help("random: mean input tokens"))
+    random_output_len: int = field(default=128, metadata=_help("random: mean output tokens"))
+    random_range_ratio: float = field(default=0.0, metadata=_help(
+        "random, uniform: lengths drawn from [len*(1-r), len*(1+r)]"))
+    random_dist: str = field(default="uniform", metadata=_help(
+        "random: length distribution (fixed, uniform, normal, lognormal; uniform with ratio 0 is fixed)",
+        choices=("fixed", "uniform", "normal", "lognormal")))
+    random_prefix_len: int = field(default=0, metadata=_help("random: tokens of a prefix shared by all prompts"))
+    sharegpt_output_len: int | None = field(default=None, metadata=_help(
+        "sharegpt: output tokens per request (default: 256)"))
+    ignore_eos: bool = field(default=False, metadata=_help("ask the server to ignore EOS (exact output lengths)"))
+    percentile_metrics: str = field(default="ttft,tpot,itl,e2el,stall", metadata=_help(
+        "metrics to report percentiles of (ttft, tpot, itl, e2el, stall)"))
+    metric_percentiles: str = field(default="50,90,99", metadata=_help("percentiles to report"))
+    goodput: tuple[str, ...] = field(default=(), metadata=_help(
+        "SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000 (milliseconds)", nargs="+"))
+    seed: int = field(default=0, metadata=_help("seed of lengths, prompts and arrivals"))
+    result_dir: str = field(default="bench-results", metadata=_help("where result.json and the report go"))
+    timeout: float = field(default=600.0, metadata=_help("per-request timeout in seconds"))
+    max_duration: float = field(default=3600.0, metadata=_help("the run stops after this many seconds"))
+    scrape_interval: float = field(default=0.5, metadata=_help("seconds between /metrics scrapes"))
+    sweep: bool = field(default=False, metadata=_help(
+        "walk closed-loop concurrency 1, 2, 4, ... until throughput stops growing (saturation)"))
+    sweep_max_concurrency: int = field(default=64, metadata=_help("sweep: highest concurrency to try"))
+    sweep_gain: float = field(default=0.05, metadata=_help(
+        "sweep: stop when doubling concurrency raises output throughput by less than this fraction"))
+    label: str | None = field(default=None, metadata=_help("a name for this run in the report"))
+
+    def validate(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        for name in ("num_prompts", "random_input_len", "random_output_len", "sweep_max_concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.random_range_ratio < 1:
+            raise ValueError(f"random_range_ratio: must be in [0, 1), got {self.random_range_ratio}")
+        if self.timeout <= 0 or self.max_duration <= 0:
+            raise ValueError("timeout, max_duration: must be > 0")
+        metrics = [m for m in self.percentile_metrics.split(",") if m]
+        for m in metrics:
+            if m not in ("ttft", "tpot", "itl", "e2el", "stall"):
+                raise ValueError(f"percentile_metrics: unknown metric {m!r}")
+        for q in self.metric_percentiles.split(","):
+            try:
+                if not 0 <= float(q) <= 100:
+                    raise ValueError
+            except ValueError:
+                raise ValueError(f"metric_percentiles: {q!r} is not a number in [0, 100]") from None
+
+    @property
+    def percentiles(self) -> list[float]:
+        return [float(q) for q in self.metric_percentiles.split(",") if q]
+
+    @property
+    def metrics(self) -> list[str]:
+        return [m for m in self.percentile_metrics.split(",") if m]

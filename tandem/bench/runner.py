@@ -1,0 +1,220 @@
+"""Run a workload: send requests on their arrival schedule, bounded by count, concurrency and time.
+
+Two backends share the measurement: ``openai`` streams from any OpenAI-compatible server over
+HTTP (and scrapes its /metrics while it runs); ``inprocess`` drives tandem's engine directly,
+free of HTTP, reading each request's timing from the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import httpx
+
+from tandem.bench.client import RequestResult, request_body, send
+from tandem.bench.workload import ArrivalSpec, BenchRequest
+
+# Gauges read from /metrics while a run goes; tandem's names first, vLLM's as fallbacks.
+SCRAPED = {
+    "running": ("tandem:num_requests_running", "vllm:num_requests_running"),
+    "waiting": ("tandem:num_requests_waiting", "vllm:num_requests_waiting"),
+    "kv_usage": ("tandem:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "mfu": ("tandem:model_flops_utilization",),
+    "mbu": ("tandem:memory_bandwidth_utilization",),
+    "busy": ("tandem:engine_busy_fraction",),
+}
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def parse_gauges(text: str) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _LINE.match(line)
+        if m:
+            try:
+                totals[m.group(1)] = totals.get(m.group(1), 0.0) + float(m.group(3))
+            except ValueError:
+                continue
+    out = {}
+    for key, names in SCRAPED.items():
+        for name in names:
+            if name in totals:
+                out[key] = totals[name]
+                break
+    return out
+
+
+@dataclass
+class RunData:
+    results: list[RequestResult]
+    duration: float
+    samples: list[tuple[float, dict[str, float]]] = field(default_factory=list)
+    """(time on the run's clock, scraped gauges)."""
+    notes: list[str] = field(default_factory=list)
+
+
+Progress = Callable[[RequestResult], None]
+
+
+async def _scrape(client: httpx.AsyncClient, url: str, clock, interval: float, out: list, notes: list[str]) -> None:
+    while True:
+        try:
+            r = await client.get(url, timeout=5)
+            if r.status_code != 200:
+                notes.append(f"/metrics answered {r.status_code}; server metrics were not recorded")
+                return
+            gauges = parse_gauges(r.text)
+            if gauges:
+                out.append((clock(), gauges))
+        except httpx.HTTPError as exc:
+            notes.append(f"/metrics scrape failed: {exc}")
+            return
+        await asyncio.sleep(interval)
+
+
+async def run_openai(
+    requests: list[BenchRequest],
+    offsets: list[float],
+    arrival: ArrivalSpec,
+    base_url: str,
+    endpoint: str,
+    model: str | None,
+    ignore_eos: bool,
+    headers: dict[str, str],
+    timeout: float,
+    max_duration: float,
+    scrape_interval: float,
+    progress: Progress | None = None,
+) -> RunData:
+    chat = "chat" in endpoint
+    url = base_url.rstrip("/") + endpoint
+    sem = asyncio.Semaphore(arrival.max_concurrency) if arrival.max_concurrency else None
+    t0 = time.perf_counter()
+
+    def clock() -> float:
+        return time.perf_counter() - t0
+
+    samples: list = []
+    notes: list[str] = []
+    limits = httpx.Limits(max_connections=max(16, (arrival.max_concurrency or len(requests)) + 4),
+                          max_keepalive_connections=64)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        scraper = asyncio.ensure_future(
+            _scrape(client, base_url.rstrip("/") + "/metrics", clock, scrape_interval, samples, notes))
+
+        async def launch(req: BenchRequest, offset: float) -> RequestResult:
+            delay = offset - clock()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            body = request_body(req, model, chat, ignore_eos)
+            if sem is None:
+                res = await send(client, url, req, body, clock, headers, timeout)
+            else:
+                async with sem:
+                    res = await send(client, url, req, body, clock, headers, timeout)
+            if progress:
+                progress(res)
+            return res
+
+        tasks = [asyncio.ensure_future(launch(r, o)) for r, o in zip(requests, offsets)]
+        done, pending = await asyncio.wait(tasks, timeout=max_duration)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        scraper.cancel()
+        await asyncio.gather(scraper, return_exceptions=True)
+        duration = clock()
+    results = []
+    for req, task in zip(requests, tasks):
+        if task in done and not task.cancelled() and task.exception() is None:
+            results.append(task.result())
+        else:
+            results.append(RequestResult(req.index, req.class_name, req.input_len, req.output_len, send_time=math.nan,
+                                         error="not finished within --max-duration"))
+    if pending:
+        notes.append(f"{len(pending)} requests were still running when --max-duration ({max_duration} s) ended the run")
+    return RunData(results, duration, samples, notes)
+
+
+def run_inprocess(
+    engine,
+    requests: list[BenchRequest],
+    offsets: list[float],
+    arrival: ArrivalSpec,
+    ignore_eos: bool,
+    max_duration: float,
+    progress: Progress | None = None,
+) -> RunData:
+    """Drive a tandem ``Engine`` directly; timings come from the engine's own clock."""
+    from tandem.core.request import SamplingParams
+
+    clock0 = engine.clock()
+
+    def clock() -> float:
+        return engine.clock() - clock0
+
+    order = sorted(range(len(requests)), key=lambda i: offsets[i])
+    nxt = 0
+    in_flight: dict[str, int] = {}
+    results: dict[int, RequestResult] = {}
+    samples: list = []
+    limit = arrival.max_concurrency or math.inf
+    while (nxt < len(order) or in_flight) and clock() < max_duration:
+        while nxt < len(order) and offsets[order[nxt]] <= clock() and len(in_flight) < limit:
+            i = order[nxt]
+            nxt += 1
+            req = requests[i]
+            params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=ignore_eos)
+            res = RequestResult(req.index, req.class_name, req.input_len, req.output_len, send_time=clock())
+            try:
+                rid = engine.add_request(req.prompt, params)
+            except ValueError as exc:
+                res.error = f"rejected: {exc}"
+                results[i] = res
+                if progress:
+                    progress(res)
+                continue
+            in_flight[rid] = i
+            results[i] = res
+        if not engine.has_unfinished_requests():
+            if nxt < len(order) and len(in_flight) < limit:
+                time.sleep(max(0.0, min(offsets[order[nxt]] - clock(), 0.05)))
+            continue
+        for out in engine.step():
+            if not out.finished:
+                continue
+            i = in_flight.pop(out.request_id)
+            res = results[i]
+            t = out.timing
+            res.prompt_tokens = len(out.prompt_token_ids)
+            res.output_tokens = len(out.token_ids)
+            res.token_times = [x - clock0 for x in t.token_times]
+            res.finish_time = (t.finish or engine.clock()) - clock0
+            res.success = out.finish_reason in ("length", "stop") and bool(out.token_ids)
+            if not res.success:
+                res.error = out.error or f"finished with {out.finish_reason}"
+            if progress:
+                progress(res)
+        if engine.step_stats:
+            s = engine.step_stats[-1]
+            samples.append((s.start + s.duration - clock0, {
+                "running": s.num_running, "waiting": s.num_waiting,
+                "kv_usage": s.kv_blocks_used / s.kv_blocks_total,
+            }))
+    notes = []
+    for rid in list(in_flight):
+        engine.abort_request(rid)
+    for j in range(len(order)):
+        i = order[j]
+        if i not in results or (not results[i].success and results[i].error is None):
+            req = requests[i]
+            results[i] = RequestResult(req.index, req.class_name, req.input_len, req.output_len,
+                                       send_time=math.nan, error="not finished within --max-duration")
+    if len([r for r in results.values() if r.error == "not finished within --max-duration"]):
+        notes.append(f"--max-duration ({max_duration} s) ended the run early")
+    return RunData([results[i] for i in range(len(requests))], clock(), samples, notes)
