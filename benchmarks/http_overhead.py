@@ -3,8 +3,11 @@ and through the in-process engine, alternated, on the same machine in one run.
 
     .venv/bin/python benchmarks/http_overhead.py --num-prompts 16 --output-len 64 --rounds 2
 
-Reports output tokens/s of both paths per round and the ratio server / in-process; writes
-the numbers as JSON (--out). Prompts are real ShareGPT first turns when the dataset is found,
+Reports, per round, output tokens/s of both paths and the engine's own busy time per output
+token (the sum of step durations: in-process from the engine's step records, for the server
+from /metrics' tandem:step_duration_seconds_sum). Wall-clock throughput shows the total cost of
+HTTP; step time per token shows whether request handling slowed the engine's steps. Writes the
+numbers as JSON (--out). Prompts are real ShareGPT first turns when the dataset is found,
 cut to --input-len tokens.
 """
 
@@ -79,6 +82,15 @@ async def fire(url: str, prompts: list[list[int]], output_len: int) -> tuple[flo
         return time.perf_counter() - start, sum(counts)
 
 
+def step_seconds(url: str) -> float:
+    """Total engine step time so far, from the server's Prometheus histogram."""
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("tandem:step_duration_seconds_sum"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -122,35 +134,47 @@ def main() -> None:
         rows = []
         for r in range(args.rounds):
             # The server's engine thread idles while the in-process engine runs, and vice versa.
+            llm.engine.step_stats.clear()
             t = time.perf_counter()
             outs = llm.generate(prompts, params)
             inproc_s = time.perf_counter() - t
             inproc_tokens = sum(len(o.token_ids) for o in outs)
+            inproc_busy = sum(s.duration for s in llm.engine.step_stats)
+            before = step_seconds(url)
             server_s, server_tokens = asyncio.run(fire(url, prompts, args.output_len))
+            server_busy = step_seconds(url) - before
             rows.append({
                 "round": r + 1,
                 "in_process_tok_s": inproc_tokens / inproc_s,
                 "server_tok_s": server_tokens / server_s,
+                "in_process_step_ms_per_token": 1000 * inproc_busy / inproc_tokens,
+                "server_step_ms_per_token": 1000 * server_busy / server_tokens,
                 "in_process_tokens": inproc_tokens,
                 "server_tokens": server_tokens,
             })
-            print(f"round {r + 1}: in-process {rows[-1]['in_process_tok_s']:.1f} tok/s, "
-                  f"server {rows[-1]['server_tok_s']:.1f} tok/s", flush=True)
+            row = rows[-1]
+            print(f"round {r + 1}: in-process {row['in_process_tok_s']:.1f} tok/s "
+                  f"({row['in_process_step_ms_per_token']:.1f} ms of steps per token), server "
+                  f"{row['server_tok_s']:.1f} tok/s ({row['server_step_ms_per_token']:.1f} ms)", flush=True)
     finally:
         server.terminate()
         server.wait(timeout=30)
     ratio = statistics.median(row["server_tok_s"] / row["in_process_tok_s"] for row in rows)
+    step_ratio = statistics.median(row["server_step_ms_per_token"] / row["in_process_step_ms_per_token"]
+                                   for row in rows)
     result = {
         "command": "benchmarks/http_overhead.py " + " ".join(sys.argv[1:]),
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "threads": os.cpu_count(),
         "rounds": rows,
         "median_ratio_server_over_in_process": ratio,
+        "median_step_time_ratio_server_over_in_process": step_ratio,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"\nserver / in-process output throughput (median of {args.rounds} rounds): {ratio:.3f} "
           f"({(1 - ratio) * 100:+.1f}% overhead)")
+    print(f"server / in-process engine step time per token (median): {step_ratio:.3f}")
 
 
 if __name__ == "__main__":

@@ -129,14 +129,14 @@ def set_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
-def build_engine(
+def engine_for(
     config: EngineConfig,
+    loaded: LoadedModel,
     clock: Callable[[], float] = time.monotonic,
     on_step: Callable[[StepStats], None] | None = None,
-) -> tuple[Engine, LoadedModel]:
+) -> Engine:
+    """A fresh engine (KV cache, scheduler, sampler) over an already loaded model."""
     config.validate()
-    set_threads(config.model.threads)
-    loaded = load_model(config.model)
     per_block = kv_bytes_per_block(loaded.model, config.cache.block_size, loaded.dtype)
     num_blocks = config.cache.num_kv_blocks or int(config.cache.kv_cache_memory_gib * (1 << 30) // per_block)
     if num_blocks < 1:
@@ -144,7 +144,7 @@ def build_engine(
     runner = ModelRunner(
         loaded.model, num_blocks, config.cache.block_size, loaded.device, loaded.dtype, config.model.seed
     )
-    engine = Engine(
+    return Engine(
         config.scheduler,
         runner,
         loaded.tokenizer,
@@ -154,4 +154,14 @@ def build_engine(
         clock=clock,
         on_step=on_step,
     )
-    return engine, loaded
+
+
+def build_engine(
+    config: EngineConfig,
+    clock: Callable[[], float] = time.monotonic,
+    on_step: Callable[[StepStats], None] | None = None,
+) -> tuple[Engine, LoadedModel]:
+    config.validate()
+    set_threads(config.model.threads)
+    loaded = load_model(config.model)
+    return engine_for(config, loaded, clock, on_step), loaded

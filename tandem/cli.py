@@ -141,6 +141,54 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare_parser(sub) -> None:
+    from tandem.bench.config import CompareConfig, TuneConfig
+
+    p = sub.add_parser(
+        "compare",
+        help="run one workload against several scheduler configurations and report side by side",
+        description="Each configuration runs on a fresh engine in this process with the same requests; the "
+        "report has throughput, TTFT/ITL percentiles, stalls, goodput, utilization, ITL timelines and step mix.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_dataclass_args(p, CompareConfig, "compare options")
+    add_engine_args(p, skip=("seed",))
+    t = sub.add_parser(
+        "tune",
+        help="search chunk size and batch limits for the highest goodput within latency SLOs",
+        description="Coarse-to-fine search over max_num_batched_tokens, max_num_seqs and the long-prompt caps "
+        "of the chunked policy; re-measures the leaders; prints the tandem serve command of the best.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_dataclass_args(t, TuneConfig, "tune options")
+    add_engine_args(t, skip=("seed",))
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from tandem.bench.compare import run_compare
+    from tandem.bench.config import CompareConfig
+
+    cfg = dataclass_from_args(CompareConfig, args)
+    base = engine_config_from_args(args, seed=cfg.seed)
+    out = run_compare(None if cfg.workload else cfg.scenario, cfg.workload, list(cfg.configs), base,
+                      cfg.result_dir, list(cfg.goodput), cfg.seed, cfg.max_duration)
+    print(Path(cfg.result_dir, "compare.md").read_text())
+    print("wrote: " + ", ".join(out["paths"]), file=sys.stderr)
+    return 0
+
+
+def _run_tune(args: argparse.Namespace) -> int:
+    from tandem.bench.config import TuneConfig
+    from tandem.bench.tune_run import run_tune
+
+    cfg = dataclass_from_args(TuneConfig, args)
+    base = engine_config_from_args(args, seed=cfg.seed)
+    out = run_tune(cfg, base)
+    print(Path(cfg.result_dir, "tune.md").read_text())
+    print("wrote: " + ", ".join(out["paths"]), file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description="tandem inference engine")
     parser.add_argument("--log-level", default="WARNING", help="logging level")
@@ -148,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     _generate_parser(sub)
     _serve_parser(sub)
     _bench_parser(sub)
+    _compare_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -157,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
             return _run_serve(args)
         if args.command == "bench":
             return _run_bench(args)
+        if args.command == "compare":
+            return _run_compare(args)
+        if args.command == "tune":
+            return _run_tune(args)
     except ValueError as exc:
         print(f"tandem: error: {exc}", file=sys.stderr)
         return 2

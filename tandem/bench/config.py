@@ -100,3 +100,51 @@ class BenchConfig:
     @property
     def metrics(self) -> list[str]:
         return [m for m in self.percentile_metrics.split(",") if m]
+
+
+SCENARIO_NAMES = ("equal", "long-prompts", "sharegpt-bursty")
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    scenario: str = field(default="equal", metadata=_help(
+        "built-in scenario: 'equal' (equal-size requests at high concurrency), 'long-prompts' (long prompts "
+        "arriving while chats stream), 'sharegpt-bursty' (a ShareGPT-like mix with bursty arrivals)",
+        choices=SCENARIO_NAMES))
+    workload: str | None = field(default=None, metadata=_help("a workload YAML/JSON file instead of a scenario"))
+    configs: tuple[str, ...] = field(default=(), metadata=_help(
+        "configurations to compare, each KEY=VALUE[,KEY=VALUE] over the scheduler options, optionally "
+        "'name:' first; default: static, prefill-first, chunked at 128 and 512 tokens", nargs="+"))
+    goodput: tuple[str, ...] = field(default=(), metadata=_help(
+        "SLOs for goodput, e.g. ttft:2000 tpot:300 (milliseconds)", nargs="+"))
+    result_dir: str = field(default="compare-results", metadata=_help("where the report goes"))
+    seed: int = field(default=0, metadata=_help("seed of the requests (the same for every configuration)"))
+    max_duration: float = field(default=1800.0, metadata=_help("seconds each configuration may run"))
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    scenario: str = field(default="sharegpt-bursty", metadata=_help(
+        "built-in scenario to tune against (see tandem compare)", choices=SCENARIO_NAMES))
+    workload: str | None = field(default=None, metadata=_help("a workload YAML/JSON file instead of a scenario"))
+    slo_ttft_ms: float | None = field(default=None, metadata=_help("SLO: p99 time to first token, milliseconds"))
+    slo_itl_ms: float | None = field(default=None, metadata=_help("SLO: p99 inter-token latency, milliseconds"))
+    chunk_sizes: str = field(default="32,64,128,256,512,1024,2048", metadata=_help(
+        "chunk sizes (max_num_batched_tokens) the search may pick from"))
+    max_num_seqs_values: str = field(default="4,8,16,32,64", metadata=_help(
+        "max_num_seqs values the search may pick from"))
+    repeats: int = field(default=2, metadata=_help("runs of each leading candidate; judged on the median"))
+    max_trials: int = field(default=24, metadata=_help("most distinct configurations to measure"))
+    result_dir: str = field(default="tune-results", metadata=_help("where the report goes"))
+    seed: int = field(default=0, metadata=_help("seed of the requests"))
+    max_duration: float = field(default=1800.0, metadata=_help("seconds each run may take"))
+
+    def grid(self, name: str) -> list[int]:
+        text = getattr(self, name)
+        try:
+            values = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise ValueError(f"{name}: expected comma-separated integers, got {text!r}") from None
+        if not values or min(values) < 1:
+            raise ValueError(f"{name}: expected positive integers, got {text!r}")
+        return values

@@ -1,0 +1,138 @@
+"""The comparison report: a table per configuration, TTFT vs throughput, ITL timelines side by
+side, and the prefill/decode token mix of every step over time."""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from tandem.bench.compare import Evaluation, results_json, row  # noqa: E402
+
+PLOTS = ("ttft_vs_throughput.png", "itl_timelines.png", "step_mix.png")
+
+
+def _f(v, digits=1) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    return f"{v:,.{digits}f}"
+
+
+def table(evaluations: list[Evaluation]) -> str:
+    lines = ["| configuration | output tok/s | total tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | "
+             "stall p99 (ms) | goodput (req/s) | MFU / MBU | preemptions |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for e in evaluations:
+        r = row(e)
+        util = f"{_f(100 * r['mfu'])}% / {_f(100 * r['mbu'])}%" if r["mfu"] is not None else "n/a"
+        lines.append(
+            f"| {r['config']} | {_f(r['output_throughput'])} | {_f(r['total_token_throughput'])} | "
+            f"{_f(r['median_ttft_ms'], 0)} / {_f(r['p99_ttft_ms'], 0)} | {_f(r['median_itl_ms'], 0)} / "
+            f"{_f(r['p99_itl_ms'], 0)} | {_f(r['p99_stall_ms'], 0)} | {_f(r['request_goodput'], 3)} | {util} | "
+            f"{r['preemptions']} |")
+    return "\n".join(lines)
+
+
+def plot_ttft_vs_throughput(evaluations: list[Evaluation], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for e in evaluations:
+        s = e.summary
+        x = s["output_throughput"]
+        ax.plot([x, x], [s["median_ttft_ms"], s["p99_ttft_ms"]], color="lightgray", zorder=1)
+        p = ax.scatter([x], [s["median_ttft_ms"]], marker="o", zorder=2)
+        ax.scatter([x], [s["p99_ttft_ms"]], marker="^", color=p.get_facecolor(), zorder=2)
+        ax.annotate(e.candidate.name, (x, s["p99_ttft_ms"]), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.set_xlabel("output throughput (tokens/s)")
+    ax.set_ylabel("TTFT (ms): circle p50, triangle p99")
+    ax.set_yscale("log")
+    ax.set_title("TTFT vs throughput (right and low is better)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_itl_timelines(evaluations: list[Evaluation], path: Path) -> None:
+    n = len(evaluations)
+    fig, axes = plt.subplots(n, 1, figsize=(12, 2.4 * n), sharex=True, squeeze=False)
+    top = max((g for e in evaluations for r in e.data.results if r.success for g in r.itls), default=1.0) * 1000
+    for ax, e in zip(axes[:, 0], evaluations):
+        xs, ys = [], []
+        for r in e.data.results:
+            if r.success:
+                xs.extend(r.token_times[1:])
+                ys.extend(g * 1000 for g in r.itls)
+        ax.scatter(xs, ys, s=3, alpha=0.6)
+        ax.set_ylim(0, top * 1.05)
+        ax.set_ylabel("ITL (ms)")
+        ax.set_title(e.candidate.name, fontsize=9, loc="left")
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("seconds since start (each dot: the gap before one token; high dots are stalls)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_step_mix(evaluations: list[Evaluation], path: Path) -> None:
+    n = len(evaluations)
+    fig, axes = plt.subplots(n, 1, figsize=(12, 2.4 * n), sharex=True, squeeze=False)
+    for ax, e in zip(axes[:, 0], evaluations):
+        if not e.steps:
+            continue
+        t0 = e.steps[0].start
+        xs = [s.start - t0 for s in e.steps]
+        widths = [max(s.duration, 1e-4) for s in e.steps]
+        pre = [s.num_prefill_tokens for s in e.steps]
+        dec = [s.num_decode_tokens for s in e.steps]
+        ax.bar(xs, dec, width=widths, align="edge", color="tab:blue", label="decode tokens")
+        ax.bar(xs, pre, width=widths, align="edge", bottom=dec, color="tab:orange", label="prefill tokens")
+        ax.set_ylabel("tokens / step")
+        ax.set_title(e.candidate.name, fontsize=9, loc="left")
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(loc="upper right", fontsize=8)
+    axes[-1, 0].set_xlabel("seconds since start (bar width = step duration)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_compare_report(out: Path, evaluations: list[Evaluation], meta: dict) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.json").write_text(results_json(evaluations, meta) + "\n")
+    plot_ttft_vs_throughput(evaluations, out / PLOTS[0])
+    plot_itl_timelines(evaluations, out / PLOTS[1])
+    plot_step_mix(evaluations, out / PLOTS[2])
+    md = [f"# Comparison: {meta['scenario']}", "", meta["description"], "",
+          f"{meta['num_requests']} requests, the same for every configuration (seed {meta['seed']}).", "",
+          table(evaluations), ""]
+    if meta.get("goodput_slos_ms"):
+        md += ["Goodput SLOs: " + ", ".join(f"{k} <= {v:g} ms" for k, v in meta["goodput_slos_ms"].items()), ""]
+    md += [f"![{p}]({p})" for p in PLOTS]
+    text = "\n".join(md) + "\n"
+    (out / "compare.md").write_text(text)
+    images = "".join(
+        f'<h2>{html.escape(p[:-4].replace("_", " "))}</h2><img style="max-width:100%" '
+        f'src="data:image/png;base64,{base64.b64encode((out / p).read_bytes()).decode()}">' for p in PLOTS)
+    body = html.escape("\n".join(md[: md.index(table(evaluations))]))
+    page = ("<!doctype html><html><head><meta charset='utf-8'><title>tandem compare</title>"
+            "<style>body{font-family:sans-serif;max-width:1200px;margin:auto;padding:1em}"
+            "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}"
+            "td:first-child{text-align:left}</style></head><body>"
+            f"<pre>{body}</pre>{_html_table(evaluations)}{images}</body></html>")
+    (out / "compare.html").write_text(page)
+    return [out / n for n in ("compare.json", "compare.md", "compare.html", *PLOTS)]
+
+
+def _html_table(evaluations: list[Evaluation]) -> str:
+    lines = table(evaluations).splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    th = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+    trs = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><tr>{th}</tr>{trs}</table>"
