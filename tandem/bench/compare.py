@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tandem.bench.arrivals import arrival_offsets
-from tandem.bench.client import RequestResult
 from tandem.bench.runner import RunData, run_inprocess
 from tandem.bench.summary import parse_goodput, summarize_run
 from tandem.bench.workload import ArrivalSpec, BenchRequest, LengthDist, RequestClass, Workload, build_requests
@@ -253,5 +252,3 @@ def row(ev: Evaluation) -> dict:
 def results_json(evaluations: list[Evaluation], meta: dict) -> str:
     return json.dumps({**meta, "configs": [row(e) for e in evaluations]}, indent=1, default=str)
 
-
-__all__ = ["Candidate", "SCENARIOS", "run_compare", "evaluate", "row", "RequestResult"]
