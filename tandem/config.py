@@ -38,7 +38,8 @@ class SchedulerConfig:
         default=512,
         metadata=_help(
             "token budget of one step; for 'chunked' this is the chunk size, the lever between "
-            "TTFT and stream smoothness; for the other policies a prompt longer than it runs alone"
+            "TTFT and stream smoothness; for 'prefill-first' it bounds a prefill step (a longer "
+            "prompt runs alone); 'static' prefills its whole batch at once"
         ),
     )
     long_prefill_token_threshold: int = field(

@@ -58,9 +58,10 @@ def describe(o: dict[str, Any]) -> str:
     return text
 
 
+# prefill-first gets a large budget (vLLM without chunking uses at least 2048 tokens per step)
 DEFAULT_CONFIGS = [
     "policy=static",
-    "policy=prefill-first",
+    "policy=prefill-first,max_num_batched_tokens=2048",
     "policy=chunked,max_num_batched_tokens=128",
     "policy=chunked,max_num_batched_tokens=512",
 ]

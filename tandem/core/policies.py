@@ -7,8 +7,9 @@
 * ``chunked``       — one token budget per step: running decodes first, then chunks of
                       partially prefilled and waiting prompts fill what is left.
 
-For ``static`` and ``prefill-first`` the budget limits how many prompts share a step; a single
-prompt longer than the budget still runs, alone, in one step.
+For ``prefill-first`` the budget limits how many prompts share a prefill step; a single prompt
+longer than the budget still runs, alone, in one step. ``static`` prefills its whole batch (bounded
+by ``max_num_seqs`` and the KV cache) in one step, as one padded ``generate()`` call would.
 """
 
 from __future__ import annotations
@@ -41,10 +42,10 @@ def _decode_running(s: "Scheduler", b: "StepBuilder") -> None:
         b.schedule_running(request, min(request.num_uncomputed_tokens, b.tokens_left))
 
 
-def _admit_whole_prompts(s: "Scheduler", b: "StepBuilder", reserve_output: bool) -> None:
+def _admit_whole_prompts(s: "Scheduler", b: "StepBuilder", reserve_output: bool, token_budget: bool) -> None:
     for request in list(s.waiting):
         n = request.num_uncomputed_tokens
-        if b.chunks and n > b.tokens_left:
+        if token_budget and b.chunks and n > b.tokens_left:
             break
         reserve = request.max_tokens_needed if reserve_output else None
         if not b.admit(request, n, reserve_tokens=reserve):
@@ -58,14 +59,16 @@ class StaticPolicy:
         if s.running:
             _decode_running(s, b)
         else:
-            _admit_whole_prompts(s, b, reserve_output=True)
+            # One padded batch, as a plain generate() call forms it: seats and KV bound it,
+            # not the per-step token budget.
+            _admit_whole_prompts(s, b, reserve_output=True, token_budget=False)
 
 
 class PrefillFirstPolicy:
     name = "prefill-first"
 
     def schedule(self, s: "Scheduler", b: "StepBuilder") -> None:
-        _admit_whole_prompts(s, b, reserve_output=False)
+        _admit_whole_prompts(s, b, reserve_output=False, token_budget=True)
         if not b.chunks:
             _decode_running(s, b)
 
