@@ -132,12 +132,12 @@ def _run_bench(args: argparse.Namespace) -> int:
     engine_config = (engine_config_from_args(args, model=cfg.model, seed=cfg.seed)
                      if cfg.backend == "inprocess" else None)
     out = run_bench(cfg, engine_config)
-    summary = out["summary"]
-    if "levels" in summary:
-        print(Path(cfg.result_dir, "sweep.md").read_text())
-    else:
-        print(Path(cfg.result_dir, "summary.md").read_text())
-    print("wrote: " + ", ".join(out["paths"]), file=sys.stderr)
+    return _print_report(Path(cfg.result_dir, "sweep.md" if cfg.sweep else "summary.md"), out["paths"])
+
+
+def _print_report(markdown: Path, paths: list[str]) -> int:
+    print(markdown.read_text())
+    print("wrote: " + ", ".join(paths), file=sys.stderr)
     return 0
 
 
@@ -172,9 +172,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     base = engine_config_from_args(args, seed=cfg.seed)
     out = run_compare(None if cfg.workload else cfg.scenario, cfg.workload, list(cfg.configs), base,
                       cfg.result_dir, list(cfg.goodput), cfg.seed, cfg.max_duration)
-    print(Path(cfg.result_dir, "compare.md").read_text())
-    print("wrote: " + ", ".join(out["paths"]), file=sys.stderr)
-    return 0
+    return _print_report(Path(cfg.result_dir, "compare.md"), out["paths"])
 
 
 def _run_tune(args: argparse.Namespace) -> int:
@@ -184,9 +182,7 @@ def _run_tune(args: argparse.Namespace) -> int:
     cfg = dataclass_from_args(TuneConfig, args)
     base = engine_config_from_args(args, seed=cfg.seed)
     out = run_tune(cfg, base)
-    print(Path(cfg.result_dir, "tune.md").read_text())
-    print("wrote: " + ", ".join(out["paths"]), file=sys.stderr)
-    return 0
+    return _print_report(Path(cfg.result_dir, "tune.md"), out["paths"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,17 +83,16 @@ def _equal(tok, seed: int):
 
 
 def _long_prompts(tok, seed: int):
-    w = Workload(dataset="mixed", num_prompts=15, seed=seed, classes=[
-        RequestClass("chat", 0.8, LengthDist("lognormal", 96, sigma=0.3, max=192), LengthDist("fixed", 96)),
-        RequestClass("document", 0.2, LengthDist("fixed", 1536), LengthDist("fixed", 16)),
-    ])
-    reqs = build_requests(w, tok)
-    chats = [r for r in reqs if r.class_name == "chat"]
-    docs = [r for r in reqs if r.class_name == "document"]
+    chat = Workload(dataset="random", num_prompts=12, seed=seed, classes=[
+        RequestClass("chat", 1.0, LengthDist("lognormal", 96, sigma=0.3, max=192), LengthDist("fixed", 96))])
+    docs = Workload(dataset="random", num_prompts=3, seed=seed + 1, classes=[
+        RequestClass("document", 1.0, LengthDist("fixed", 1536), LengthDist("fixed", 16))])
+    reqs = build_requests(chat, tok) + build_requests(docs, tok)
+    for i, r in enumerate(reqs):
+        r.index = i
     # the chats start together and stream; the documents land in the middle of their streams
-    offsets = {r.index: 0.2 * i for i, r in enumerate(chats)}
-    offsets.update({r.index: 4.0 + 6.0 * i for i, r in enumerate(docs)})
-    return reqs, [offsets[r.index] for r in reqs]
+    offsets = [0.2 * i for i in range(12)] + [4.0 + 6.0 * i for i in range(3)]
+    return reqs, offsets
 
 
 def _sharegpt_bursty(tok, seed: int):
