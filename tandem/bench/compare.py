@@ -202,6 +202,9 @@ def run_compare(scenario: str | None, workload_path: str | None, configs: list[s
     meta = {"scenario": title, "description": description, "seed": seed, "date": time.strftime("%Y-%m-%d %H:%M"),
             "base_config": base.flat(), "goodput_slos_ms": {k: v * 1000 for k, v in slos.items()},
             "num_requests": len(requests)}
+    if getattr(evaluator, "peaks", None) is not None:
+        meta["peak_flops_per_s"] = evaluator.peaks.flops_per_s
+        meta["peak_bytes_per_s"] = evaluator.peaks.bytes_per_s
     paths = write_compare_report(Path(result_dir), evaluations, meta)
     return {"evaluations": evaluations, "paths": [str(p) for p in paths]}
 
