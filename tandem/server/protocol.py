@@ -181,16 +181,17 @@ def validate(model: type[BaseModel], data: Any) -> Any:
         return model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        loc = [str(x) for x in err["loc"] if not isinstance(x, int) or True]
-        # keep field names and list indexes, drop pydantic's union-branch tags
+        # keep field names and list indexes; drop pydantic's union-branch tags such as 'str'
         parts: list[str] = []
         for x in err["loc"]:
             if isinstance(x, int):
                 parts.append(f"[{x}]")
-            elif x in ("str", "int", "float", "bool", "list[str]", "list[int]", "list[list[int]]",
-                       "list[TextPart]", "TextPart", "StreamOptions") or "[" in str(x):
+            elif x in _UNION_TAGS or "[" in str(x):
                 continue
             else:
                 parts.append(("." if parts else "") + str(x))
-        param = "".join(parts) or (loc[0] if loc else None)
-        raise bad_request(f"{param}: {err['msg']}", param) from None
+        param = "".join(parts) or None
+        raise bad_request(f"{param}: {err['msg']}" if param else err["msg"], param) from None
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "TextPart", "StreamOptions"}
