@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tandem.bench.arrivals import arrival_offsets
+from tandem.bench.progress import RunProgress
 from tandem.bench.runner import RunData, run_inprocess
 from tandem.bench.summary import parse_goodput, summarize_run
 from tandem.bench.workload import ArrivalSpec, BenchRequest, LengthDist, RequestClass, Workload, build_requests
@@ -180,8 +181,6 @@ def evaluate(evaluator, candidate: Candidate, requests: list[BenchRequest], offs
 def run_compare(scenario: str | None, workload_path: str | None, configs: list[str], base: EngineConfig,
                 result_dir: str, goodput: list[str] | None = None, seed: int = 0, max_duration: float = 1800.0,
                 evaluator=None) -> dict:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     candidates = [Candidate.parse(c) for c in (configs or DEFAULT_CONFIGS)]
     scenario = scenario if workload_path or scenario else "equal"
     slos = parse_goodput(goodput)
@@ -191,12 +190,10 @@ def run_compare(scenario: str | None, workload_path: str | None, configs: list[s
     if seqs:
         candidates = [Candidate(c.name, {"max_num_seqs": seqs, **c.overrides}) for c in candidates]
     evaluations = []
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn()) as bar:
-        for cand in candidates:
-            task = bar.add_task(cand.name, total=len(requests))
+    for cand in candidates:
+        with RunProgress(len(requests), cand.name) as progress:
             evaluations.append(evaluate(evaluator, cand, requests, offsets, [50, 90, 99], slos, max_duration,
-                                        lambda r, t=task: bar.update(t, advance=1)))
+                                        progress))
     from tandem.bench.compare_report import write_compare_report
 
     meta = {"scenario": title, "description": description, "seed": seed, "date": time.strftime("%Y-%m-%d %H:%M"),

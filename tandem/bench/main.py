@@ -16,6 +16,7 @@ import httpx
 
 from tandem.bench.arrivals import arrival_offsets
 from tandem.bench.config import BenchConfig
+from tandem.bench.progress import RunProgress
 from tandem.bench.report import write_report
 from tandem.bench.runner import RunData, run_inprocess, run_openai
 from tandem.bench.summary import parse_goodput, per_class, summarize_run
@@ -117,28 +118,6 @@ def _server_info(base_url: str, headers: dict[str, str]) -> dict[str, Any]:
     return info
 
 
-class _Progress:
-    def __init__(self, total: int, label: str) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[status]}"), TimeElapsedColumn(), transient=False)
-        self.task = self.progress.add_task(label, total=total, status="")
-        self.failed = 0
-
-    def __enter__(self):
-        self.progress.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.progress.stop()
-
-    def __call__(self, result) -> None:
-        if not result.success:
-            self.failed += 1
-        self.progress.update(self.task, advance=1, status=f"failed {self.failed}" if self.failed else "")
-
-
 def run_once(cfg: BenchConfig, w: Workload, engine_config: EngineConfig | None, tokenizer=None,
              engine=None) -> tuple[RunData, dict, dict, dict]:
     headers = {}
@@ -165,7 +144,7 @@ def run_once(cfg: BenchConfig, w: Workload, engine_config: EngineConfig | None, 
         offsets = [r.arrival_s or 0.0 for r in requests]
     else:
         offsets = arrival_offsets(w.arrival, len(requests), w.seed)
-    with _Progress(len(requests), meta["label"]) as progress:
+    with RunProgress(len(requests), meta["label"]) as progress:
         if cfg.backend == "inprocess":
             data = run_inprocess(engine, requests, offsets, w.arrival, cfg.ignore_eos, cfg.max_duration, progress)
         else:
