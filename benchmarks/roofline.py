@@ -1,0 +1,117 @@
+"""The engine against this machine's own limits, measured in one run.
+
+    .venv/bin/python benchmarks/roofline.py --out docs/results/roofline.json
+
+1. Peaks: matmul FLOP/s per dtype (a large square shape and the skinny decode shape of the output
+   layer) and memory read bandwidth.
+2. Decode step time vs batch size (and two context lengths), against the roofline floor:
+   max(weights + KV read / bandwidth, FLOPs / peak FLOP/s).
+3. Prefill throughput vs chunk size, against the compute floor.
+4. Engine overhead per step: step time outside the forward pass and sampling (scheduling, batch
+   building, detokenization, bookkeeping), as a share of the step.
+Every figure is a ratio measured in this run; medians of repeated steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.utilization import ModelCost, measure_peaks
+
+
+def matmul_flops(m: int, k: int, n: int, dtype: torch.dtype, seconds: float = 0.5) -> float:
+    a = torch.randn(m, k).to(dtype)
+    w = torch.randn(n, k).to(dtype)
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        t = time.perf_counter()
+        torch.nn.functional.linear(a, w)
+        best = max(best, 2 * m * k * n / (time.perf_counter() - t))
+    return best
+
+
+def median_step(llm: LLM, prompts, params, kind: str) -> tuple[float, float]:
+    """Median duration and median non-forward time of the steps of one kind in a generate call."""
+    llm.engine.step_stats.clear()
+    llm.generate(prompts, params)
+    steps = [s for s in llm.engine.step_stats if s.kind == kind]
+    steps = steps[len(steps) // 4:] or steps  # skip the ramp
+    return statistics.median(s.duration for s in steps), statistics.median(s.duration - s.forward_seconds
+                                                                          for s in steps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batches", default="1,4,16,32")
+    ap.add_argument("--contexts", default="128,512")
+    ap.add_argument("--chunks", default="64,256,1024")
+    ap.add_argument("--decode-steps", type=int, default=12)
+    ap.add_argument("--out", default="docs/results/roofline.json")
+    args = ap.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+
+    llm = LLM(dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=2048)
+    spec, dtype = llm.loaded.spec, llm.loaded.dtype
+    dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float32"
+    peaks = measure_peaks("cpu", dtype_name, seconds=2.0)
+    result: dict = {"command": "benchmarks/roofline.py " + " ".join(sys.argv[1:]), "dtype": dtype_name,
+                    "threads": torch.get_num_threads()}
+    result["peaks"] = {
+        "matmul_gflops_1024": peaks.flops_per_s / 1e9,
+        "bandwidth_gb_s": peaks.bytes_per_s / 1e9,
+        "output_layer_gflops_by_rows": {rows: matmul_flops(rows, spec.hidden_size, spec.vocab_size, dtype) / 1e9
+                                        for rows in (1, 16, 64)},
+    }
+    print(json.dumps(result["peaks"], indent=1), flush=True)
+    cost = ModelCost.from_spec(spec, dtype.itemsize)
+
+    decode = []
+    for ctx in (int(c) for c in args.contexts.split(",")):
+        for b in (int(x) for x in args.batches.split(",")):
+            prompts = [[2] + [100 + (i * 7 + j) % 5000 for j in range(ctx - 1)] for i in range(b)]
+            params = SamplingParams(max_tokens=args.decode_steps, temperature=0, ignore_eos=True)
+            step, overhead = median_step(llm, prompts, params, "decode")
+            flops, nbytes = cost.step([(ctx + args.decode_steps // 2, 1)] * b, b)
+            floor = max(nbytes / peaks.bytes_per_s, flops / peaks.flops_per_s)
+            row = {"context": ctx, "batch": b, "step_ms": step * 1e3, "floor_ms": floor * 1e3,
+                   "of_roofline": floor / step, "tok_s": b / step, "overhead_share": overhead / step}
+            decode.append(row)
+            print(f"decode ctx={ctx} batch={b}: {row['step_ms']:.1f} ms/step (floor {row['floor_ms']:.1f} ms, "
+                  f"{100 * row['of_roofline']:.0f}% of roofline), {row['tok_s']:.1f} tok/s, "
+                  f"overhead {100 * row['overhead_share']:.1f}%", flush=True)
+    result["decode"] = decode
+
+    prefill = []
+    prompt = [2] + [100 + j % 5000 for j in range(2047 - 16)]
+    for chunk in (int(c) for c in args.chunks.split(",")):
+        sched = llm.engine.scheduler
+        sched.config = dataclasses.replace(sched.config, max_num_batched_tokens=chunk)
+        llm.engine.step_stats.clear()
+        t = time.perf_counter()
+        llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+        steps = [s for s in llm.engine.step_stats if s.num_prefill_tokens]
+        seconds = sum(s.duration for s in steps)
+        flops = sum(cost.step(((c[1], c[2]) for c in s.chunks), s.num_sampled)[0] for s in steps)
+        row = {"chunk": chunk, "tok_s": len(prompt) / seconds, "of_compute_peak": flops / seconds / peaks.flops_per_s,
+               "steps": len(steps), "wall_s": time.perf_counter() - t}
+        prefill.append(row)
+        print(f"prefill chunk={chunk}: {row['tok_s']:.0f} tok/s, {100 * row['of_compute_peak']:.0f}% of peak FLOP/s",
+              flush=True)
+    result["prefill"] = prefill
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
