@@ -19,7 +19,15 @@ from tandem.bench.arrivals import arrival_offsets
 from tandem.bench.progress import RunProgress
 from tandem.bench.runner import RunData, run_inprocess
 from tandem.bench.summary import parse_goodput, summarize_run
-from tandem.bench.workload import ArrivalSpec, BenchRequest, LengthDist, RequestClass, Workload, build_requests
+from tandem.bench.workload import (
+    ArrivalSpec,
+    BenchRequest,
+    LengthDist,
+    PlainTokenizer,
+    RequestClass,
+    Workload,
+    build_requests,
+)
 from tandem.config import EngineConfig, SchedulerConfig
 
 # Knobs a configuration may set, with their CLI flag names.
@@ -185,7 +193,7 @@ def run_compare(scenario: str | None, workload_path: str | None, configs: list[s
     scenario = scenario if workload_path or scenario else "equal"
     slos = parse_goodput(goodput)
     evaluator = evaluator or InProcessEvaluator(base)
-    tok = _PlainTok(evaluator.tokenizer)
+    tok = PlainTokenizer(evaluator.tokenizer)
     requests, offsets, title, description, seqs = scenario_requests(scenario, workload_path, tok, seed)
     if seqs:
         candidates = [Candidate(c.name, {"max_num_seqs": seqs, **c.overrides}) for c in candidates]
@@ -219,20 +227,6 @@ def scenario_requests(scenario: str | None, workload_path: str | None, tok, seed
     sc = SCENARIOS[scenario]
     requests, offsets = sc.build(tok, seed)
     return requests, offsets, sc.name, sc.description, sc.max_num_seqs
-
-
-class _PlainTok:
-    def __init__(self, tokenizer) -> None:
-        self.t = tokenizer
-
-    def encode(self, text: str) -> list[int]:
-        backend = getattr(self.t, "backend", None)
-        if backend is not None:
-            return backend.encode(text, add_special_tokens=False).ids
-        return self.t.encode(text)
-
-    def decode(self, ids) -> str:
-        return self.t.decode(ids)
 
 
 def row(ev: Evaluation) -> dict:

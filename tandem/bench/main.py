@@ -20,21 +20,15 @@ from tandem.bench.progress import RunProgress
 from tandem.bench.report import write_report
 from tandem.bench.runner import RunData, run_inprocess, run_openai
 from tandem.bench.summary import parse_goodput, per_class, summarize_run
-from tandem.bench.workload import ArrivalSpec, LengthDist, RequestClass, Workload, build_requests
+from tandem.bench.workload import (
+    ArrivalSpec,
+    LengthDist,
+    PlainTokenizer,
+    RequestClass,
+    Workload,
+    build_requests,
+)
 from tandem.config import EngineConfig
-
-
-class PlainTokenizer:
-    """Adapter: encode without special tokens, as prompts are cut from running text."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.backend.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids) -> str:
-        return self.tokenizer.decode(ids)
 
 
 def load_tokenizer(path: str | None):

@@ -209,15 +209,13 @@ def run_inprocess(
                 "running": s.num_running, "waiting": s.num_waiting,
                 "kv_usage": s.kv_blocks_used / s.kv_blocks_total,
             }))
-    notes = []
     for rid in list(in_flight):
         engine.abort_request(rid)
-    for j in range(len(order)):
-        i = order[j]
-        if i not in results or (not results[i].success and results[i].error is None):
-            req = requests[i]
-            results[i] = RequestResult(req.index, req.class_name, req.input_len, req.output_len,
-                                       send_time=math.nan, error="not finished within --max-duration")
-    if len([r for r in results.values() if r.error == "not finished within --max-duration"]):
-        notes.append(f"--max-duration ({max_duration} s) ended the run early")
+    unfinished = [i for i in range(len(requests))
+                  if i not in results or (not results[i].success and results[i].error is None)]
+    for i in unfinished:
+        req = requests[i]
+        results[i] = RequestResult(req.index, req.class_name, req.input_len, req.output_len,
+                                   send_time=math.nan, error="not finished within --max-duration")
+    notes = [f"--max-duration ({max_duration} s) ended the run early"] if unfinished else []
     return RunData([results[i] for i in range(len(requests))], clock(), samples, notes)

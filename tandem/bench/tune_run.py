@@ -6,10 +6,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from tandem.bench.compare import Candidate, InProcessEvaluator, _PlainTok, evaluate, scenario_requests
+from tandem.bench.compare import Candidate, InProcessEvaluator, evaluate, scenario_requests
 from tandem.bench.config import TuneConfig
 from tandem.bench.summary import parse_goodput
 from tandem.bench.tune import SLO, tune, write_tune_report
+from tandem.bench.workload import PlainTokenizer
 from tandem.config import EngineConfig
 
 
@@ -29,7 +30,7 @@ def run_tune(cfg: TuneConfig, base: EngineConfig, evaluator=None) -> dict:
     console = Console(stderr=True)
     evaluator = evaluator or InProcessEvaluator(base)
     requests, offsets, title, description, _ = scenario_requests(
-        None if cfg.workload else cfg.scenario, cfg.workload, _PlainTok(evaluator.tokenizer), cfg.seed)
+        None if cfg.workload else cfg.scenario, cfg.workload, PlainTokenizer(evaluator.tokenizer), cfg.seed)
     slos = parse_goodput(slo.goodput_args())
 
     def measure(overrides: dict) -> dict:

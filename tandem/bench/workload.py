@@ -38,6 +38,23 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
+class PlainTokenizer:
+    """Adapter over a tandem Tokenizer (or anything with encode/decode): encode without special
+    tokens, as prompts are cut from running text."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        backend = getattr(self.tokenizer, "backend", None)
+        if backend is not None:
+            return backend.encode(text, add_special_tokens=False).ids
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(ids)
+
+
 @dataclass
 class LengthDist:
     """Token lengths. ``mean`` is the value for fixed, the mean for normal and lognormal

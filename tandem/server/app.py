@@ -504,8 +504,8 @@ def build_state(engine_config: EngineConfig, server_config: ServerConfig) -> Ser
         if tracer is not None:
             tracer.on_finish(out)
 
-    async_engine = AsyncEngine(engine, server_config.max_waiting, on_step=on_step, on_finish=on_finish)
-    engine.on_step = async_engine.record_step
+    async_engine = AsyncEngine(engine, server_config.max_waiting, on_finish=on_finish)
+    engine.on_step = lambda stats: on_step(stats, engine)  # called by step(), in the loop thread
     return ServerState(
         engine=engine, async_engine=async_engine, metrics=metrics, tracer=tracer,
         chat=ChatFormatter(loaded.tokenizer, loaded.spec.family), tokenizer=loaded.tokenizer, model_name=name,

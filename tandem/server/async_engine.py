@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from tandem.core.engine import Engine, RequestOutput, StepStats
+from tandem.core.engine import Engine, RequestOutput
 from tandem.core.request import Request
 
 log = logging.getLogger(__name__)
@@ -38,12 +38,10 @@ class AsyncEngine:
         self,
         engine: Engine,
         max_waiting: int,
-        on_step: Callable[[StepStats, Engine], None] | None = None,
         on_finish: Callable[[RequestOutput], None] | None = None,
     ) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
-        self._on_step = on_step
         self._on_finish = on_finish
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -147,19 +145,10 @@ class AsyncEngine:
                     if self._on_finish is not None:
                         self._on_finish(out)
                     self._close(out.request_id)
-            if self._on_step is not None and self._last_stats is not None:
-                self._on_step(self._last_stats, engine)
-                self._last_stats = None
         # shutting down: whoever still waits gets an error instead of hanging
         for request_id in list(self._streams):
             self._push(request_id, RuntimeError("the server is shutting down"))
             self._close(request_id)
-
-    _last_stats: StepStats | None = None
-
-    def record_step(self, stats: StepStats) -> None:
-        """Engine ``on_step`` hook (runs in the loop thread)."""
-        self._last_stats = stats
 
     def _fault(self, message: str) -> None:
         self.errors += 1
