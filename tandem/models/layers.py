@@ -7,7 +7,7 @@ loading is a name lookup. Every layer works on flattened tokens: ``[num_tokens, 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,8 @@ class ForwardContext:
     meta: AttentionMetadata
     kv_cache: torch.Tensor  # [num_layers, 2, num_slots, num_kv_heads, head_dim]
     positions: torch.Tensor  # [num_tokens]
+    rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """cos/sin rows for ``positions``, per rotary table, looked up once per step."""
 
 
 class RMSNorm(nn.Module):
@@ -36,12 +38,10 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        shape = (x.shape[-1],)
         if self.unit_offset:
-            return (xf * (1.0 + self.weight.float())).to(dtype)
-        return self.weight * xf.to(dtype)
+            return F.rms_norm(x.float(), shape, 1.0 + self.weight.float(), self.eps).to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(x.dtype)
 
 
 def _inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
@@ -81,9 +81,12 @@ class RotaryEmbedding(nn.Module):
         self.cos = emb.cos().to(device)
         self.sin = emb.sin().to(device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
+    def forward(self, ctx: ForwardContext, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tables = ctx.rope.get(id(self))
+        if tables is None:
+            rows = (self.cos.index_select(0, ctx.positions), self.sin.index_select(0, ctx.positions))
+            tables = ctx.rope[id(self)] = tuple(t.to(q.dtype)[:, None, :] for t in rows)  # [T, 1, D]
+        cos, sin = tables
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -100,18 +103,39 @@ _ACTIVATIONS = {
 }
 
 
+class MergedLinear(nn.Linear):
+    """Several projections of the same input stacked into one matmul (q/k/v, gate/up).
+
+    ``parts`` names each checkpoint projection and its output size, in stacking order; the
+    loader copies ``<prefix>.<part>.weight`` into its rows (see ``tandem.weights.loader``).
+    """
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = dict(parts)
+
+    def part_rows(self, part: str) -> slice:
+        start = 0
+        for name, size in self.parts.items():
+            if name == part:
+                return slice(start, start + size)
+            start += size
+        raise KeyError(part)
+
+
 class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str) -> None:
         super().__init__()
         if act not in _ACTIVATIONS:
             raise ValueError(f"model: unsupported activation {act!r}")
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.intermediate = intermediate
+        self.gate_up_proj = MergedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate}, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.act = _ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 class Attention(nn.Module):
@@ -126,9 +150,11 @@ class Attention(nn.Module):
         self.scale = spec.attn_scale
         self.sliding = spec.is_sliding(layer)
         bias = spec.attention_bias
-        self.q_proj = nn.Linear(spec.hidden_size, spec.num_heads * spec.head_dim, bias=bias)
-        self.k_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=bias)
-        self.v_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=bias)
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = MergedLinear(
+            spec.hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}, bias=bias
+        )
         self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=False)
         if spec.qk_norm:
             gemma = spec.family == "gemma3"
@@ -141,12 +167,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self._rotary[0](ctx.positions, q, k)
+        q, k = self._rotary[0](ctx, q, k)
         cache = ctx.kv_cache[self.layer]
         o = paged_attention(q, k, v, cache[0], cache[1], ctx.meta, self.scale, self.sliding)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))

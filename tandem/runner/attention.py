@@ -18,12 +18,13 @@ import torch.nn.functional as F
 
 @dataclass
 class AttentionGroup:
-    token_index: torch.Tensor  # [S, Q] flat token index per (sequence, query slot); padding -> 0
+    token_index: torch.Tensor  # [S * Q] flat token index per (sequence, query slot); padding -> 0
     valid: torch.Tensor  # [S, Q] bool, False for padding
     kv_slots: torch.Tensor  # [S, K] cache slot per (sequence, key position); padding -> 0
     mask_full: torch.Tensor  # [S, 1, Q, K] bool, True = may attend
     mask_sliding: torch.Tensor | None  # same, with the sliding window applied
     out_index: torch.Tensor  # [n_valid] flat token index of each valid (sequence, query) slot
+    valid_rows: torch.Tensor | None  # [n_valid] position of each valid slot in [S * Q]; None: all valid
 
 
 @dataclass
@@ -93,13 +94,15 @@ def _group(
     if sliding_window is not None:
         mask_sliding = mask_full & (kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window)
         mask_sliding = mask_sliding[:, None].to(device)
+    all_valid = bool(valid.all())
     return AttentionGroup(
-        token_index=token_index.to(device),
+        token_index=token_index.reshape(-1).to(device),
         valid=valid.to(device),
         kv_slots=kv_slots.to(device),
         mask_full=mask_full[:, None].to(device),
         mask_sliding=mask_sliding,
         out_index=token_index[valid].to(device),
+        valid_rows=None if all_valid else valid.reshape(-1).nonzero().squeeze(1).to(device),
     )
 
 
@@ -117,10 +120,17 @@ def paged_attention(
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = q.new_empty(q.shape)
     for g in meta.groups:
-        qg = q[g.token_index].transpose(1, 2)  # [S, H, Q, D]
-        kg = k_cache[g.kv_slots].transpose(1, 2)  # [S, KVH, K, D]
-        vg = v_cache[g.kv_slots].transpose(1, 2)
+        # index_select copies rows several times faster than advanced indexing on the CPU.
+        s, n_q = g.valid.shape
+        n_k = g.kv_slots.shape[1]
+        slots = g.kv_slots.reshape(-1)
+        qg = q.index_select(0, g.token_index).view(s, n_q, *q.shape[1:]).transpose(1, 2)  # [S, H, Q, D]
+        kg = k_cache.index_select(0, slots).view(s, n_k, *k_cache.shape[1:]).transpose(1, 2)  # [S, KVH, K, D]
+        vg = v_cache.index_select(0, slots).view(s, n_k, *v_cache.shape[1:]).transpose(1, 2)
         mask = g.mask_sliding if sliding and g.mask_sliding is not None else g.mask_full
         o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[g.out_index] = o.transpose(1, 2)[g.valid]  # [n_valid, H, D]
+        o = o.transpose(1, 2).reshape(s * n_q, *q.shape[1:])
+        if g.valid_rows is not None:
+            o = o.index_select(0, g.valid_rows)
+        out.index_copy_(0, g.out_index, o)  # [n_valid, H, D]
     return out
