@@ -16,6 +16,7 @@ import torch
 from tandem.config import EngineConfig, ModelConfig
 from tandem.core.engine import Engine, StepStats
 from tandem.models.base import CausalLM
+from tandem.models.quant import quantize_model_int8
 from tandem.models.registry import build_model
 from tandem.models.spec import ModelSpec
 from tandem.runner.runner import ModelRunner, kv_bytes_per_block
@@ -103,8 +104,12 @@ def load_model(config: ModelConfig) -> LoadedModel:
         raise ValueError(
             f"max_model_len: {max_len} exceeds the model's {spec.max_position_embeddings} positions"
         )
+    if config.quantization == "int8" and device.type != "cpu":
+        raise ValueError(f"quantization: 'int8' runs on the CPU only, not on {device.type}")
     model = _instantiate(spec, max_len, device, dtype)
     load_weights(model, iter_safetensors(weights_dir))
+    if config.quantization == "int8":
+        quantize_model_int8(model)
     model.eval()
     return LoadedModel(model, tokenizer, spec, config.model or "gemma-3-270m", max_len, device, dtype)
 

@@ -16,6 +16,7 @@ from typing import Any
 POLICIES = ("static", "prefill-first", "chunked")
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = ("none", "int8")
 
 
 def _help(text: str, **extra: Any) -> dict[str, Any]:
@@ -110,6 +111,15 @@ class ModelConfig:
     device: str = field(
         default="auto", metadata=_help("'cpu', 'cuda', or 'auto' (cuda when present)", choices=DEVICES)
     )
+    quantization: str = field(
+        default="none",
+        metadata=_help(
+            "weights: 'none' (as --dtype), or 'int8' (weight-only int8 with a float32 scale per "
+            "output row, for every linear layer and the embedding/output table; activations "
+            "stay in --dtype; CPU only; a quarter of float32's bytes for memory-bound decode)",
+            choices=QUANTIZATIONS,
+        ),
+    )
     max_model_len: int | None = field(
         default=None,
         metadata=_help("context length (prompt + output); default: min(model's, 8192)"),
@@ -127,6 +137,10 @@ class ModelConfig:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device: must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization: must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
         if self.threads is not None:

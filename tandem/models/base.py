@@ -39,9 +39,19 @@ class CausalLM(nn.Module):
             x = layer(x, ctx)
         return self.model.norm(x)
 
-    def output_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Only for the rows that are sampled: [n, hidden] -> float32 [n, vocab]."""
-        return torch.nn.functional.linear(hidden, self.output_weight()).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
+
+    def quantize_head_int8(self) -> None:
+        """With tied embeddings, one int8 table serves both the lookup and the output head."""
+        from tandem.models.quant import Int8Embedding, Int8Linear, quantize_rows
+
+        if self.lm_head is not None:
+            return  # an untied head is an nn.Linear, already quantized with the others
+        table = self.model.embed_tokens.weight
+        q, s = quantize_rows(table)
+        self.lm_head = Int8Linear(q, s, None)
+        self.model.embed_tokens = Int8Embedding(self.lm_head, table.dtype)

@@ -38,7 +38,6 @@ class Gemma3ForCausalLM(CausalLM):
         )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight
+        x = self.model.embed_tokens(input_ids)
         # The scale is rounded to the weights' dtype, as the reference implementation does.
-        scale = torch.tensor(self.spec.hidden_size**0.5, dtype=weight.dtype)
-        return self.model.embed_tokens(input_ids) * scale
+        return x * torch.tensor(self.spec.hidden_size**0.5, dtype=x.dtype)

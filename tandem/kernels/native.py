@@ -1,0 +1,102 @@
+"""Build, load and call the C kernels in this folder.
+
+The library is compiled once per source digest with the system C compiler (``cc``/``gcc``) into
+tandem's cache directory and loaded with ctypes; torch tensors are passed by data pointer.
+Nothing here is required: ``available()`` is False without a compiler or without AVX2/FMA, and
+callers then use their plain torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("tandem.kernels")
+SOURCE = Path(__file__).with_name("int8_gemm.c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+
+
+def cpu_has_avx2() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def _cache_dir() -> Path:
+    from tandem.weights.cache import default_cache_dir
+
+    return default_cache_dir() / "kernels"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build(source: Path = SOURCE, out_dir: Path | None = None) -> Path:
+    """Compile ``source`` unless a library for its exact text and flags is already cached."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC or install gcc)")
+    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    out_dir = out_dir or _cache_dir()
+    lib = out_dir / f"{source.stem}-{digest}.so"
+    if lib.is_file():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Compile to a temporary name and rename, so a concurrent or interrupted build never leaves
+    # a half-written library behind.
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        partial = Path(tmp) / lib.name
+        done = subprocess.run([cc, *FLAGS, str(source), "-o", str(partial)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"compiling {source.name} failed:\n{done.stderr.strip()}")
+        os.replace(partial, lib)
+    return lib
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("TANDEM_NO_KERNELS"):
+        return None
+    if not cpu_has_avx2():
+        log.info("native kernels off: this CPU has no AVX2")
+        return None
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (RuntimeError, OSError) as exc:
+        log.warning("native kernels off, using the plain torch path: %s", exc)
+        return None
+    ptr, size = ctypes.c_void_p, ctypes.c_long
+    lib.tandem_gemm_i8.argtypes = [ptr, ptr, ptr, ptr, size, size, size]
+    lib.tandem_gemm_i8.restype = None
+    lib.tandem_dequant_i8.argtypes = [ptr, ptr, ptr, size, size, size]
+    lib.tandem_dequant_i8.restype = None
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def gemm_i8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x`` float32 [M, K] contiguous, ``weight`` int8 [N, K], ``scale`` float32 [N] -> [M, N]."""
+    lib = _library()
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    lib.tandem_gemm_i8(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k)
+    return y
+
+
+def dequant_i8(weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, n0: int, n1: int) -> torch.Tensor:
+    """Rows ``n0 .. n1`` of ``scale[:, None] * weight`` into ``out[: n1 - n0]`` (float32)."""
+    lib = _library()
+    lib.tandem_dequant_i8(weight.data_ptr(), scale.data_ptr(), out.data_ptr(), n0, n1, weight.shape[1])
+    return out[: n1 - n0]

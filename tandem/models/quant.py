@@ -1,0 +1,113 @@
+"""Weight-only int8: every linear layer and the (tied) embedding table stored as int8.
+
+Each output row ``n`` keeps one float32 scale, ``max|w[n, :]| / 127``, and its weights rounded to
+the nearest multiple of it (symmetric, per channel). Activations stay in float32: inputs are
+multiplied by the widened int8 weights, so the only error is the weights' rounding.
+
+Decode reads every weight once per step, so int8 weights cut the bytes a step must read by 4x
+against float32. Small batches (decode) use the AVX2 kernel in ``tandem.kernels``; large ones
+(prefill chunks) dequantize the weights in row blocks and call the float32 BLAS matmul, which is
+compute-bound there anyway. Without the kernel (no compiler, no AVX2, or another device) the
+same blocked dequantize-and-matmul path runs everywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.kernels import native
+
+# Below this many rows the int8 kernel beats dequantize + BLAS on this code's CPUs; measured
+# by benchmarks/int8_kernel.py.
+KERNEL_MAX_ROWS = 32
+# Rows of weights dequantized per BLAS call on the large-batch path (about 4 MiB in float32).
+DEQUANT_ELEMENTS = 1 << 20
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [N, K] -> (int8 [N, K], float32 scale [N]), symmetric per row."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x`` [..., K] times int8 ``qweight`` [N, K] (per-row ``scale``) -> float32 [..., N]."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+    n, k = qweight.shape
+    if x2.device.type == "cpu" and x2.shape[0] <= KERNEL_MAX_ROWS and native.available():
+        y = native.gemm_i8(x2, qweight, scale)
+    else:
+        y = torch.empty(x2.shape[0], n, dtype=torch.float32, device=x2.device)
+        step = max(1, DEQUANT_ELEMENTS // k)
+        use_kernel = x2.device.type == "cpu" and native.available()
+        buf = torch.empty(min(step, n), k, dtype=torch.float32, device=x2.device) if use_kernel else None
+        for n0 in range(0, n, step):
+            n1 = min(n, n0 + step)
+            if use_kernel:
+                w = native.dequant_i8(qweight, scale, buf, n0, n1)
+            else:
+                w = qweight[n0:n1].float() * scale[n0:n1, None]
+            y[:, n0:n1] = F.linear(x2, w)
+    return y.reshape(*lead, n)
+
+
+class Int8Linear(nn.Module):
+    """Drop-in for ``nn.Linear`` with int8 weights; output in the input's dtype."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.out_features, self.in_features = qweight.shape
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+        q, s = quantize_rows(linear.weight)
+        out = cls(q, s, linear.bias)
+        # Keep what a merged projection knows about its parts.
+        for attr in ("parts",):
+            if hasattr(linear, attr):
+                setattr(out, attr, getattr(linear, attr))
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = int8_matmul(x, self.qweight, self.scale).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+class Int8Embedding(nn.Module):
+    """Embedding lookup from an int8 table (shared with a tied ``Int8Linear`` output head)."""
+
+    def __init__(self, head: Int8Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self._head = [head]  # not a submodule: the head owns the buffers
+        self.dtype = dtype
+
+    @property
+    def weight_int8(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._head[0].qweight, self._head[0].scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        q, s = self.weight_int8
+        return (q[ids].float() * s[ids, None]).to(self.dtype)
+
+
+def quantize_model_int8(model: nn.Module) -> nn.Module:
+    """Replace every ``nn.Linear`` (and a tied embedding + head) in place; returns ``model``."""
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, child_name, Int8Linear.from_linear(child))
+    quantize_head = getattr(model, "quantize_head_int8", None)
+    if quantize_head is not None:
+        quantize_head()
+    return model
