@@ -71,6 +71,12 @@ class LoadedModel:
     max_model_len: int
     device: torch.device
     dtype: torch.dtype
+    quantization: str = "none"
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes per matmul weight as stored (int8 scales, one per row, are left out)."""
+        return 1 if self.quantization == "int8" else self.dtype.itemsize
 
 
 def load_model(config: ModelConfig) -> LoadedModel:
@@ -111,7 +117,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if config.quantization == "int8":
         quantize_model_int8(model)
     model.eval()
-    return LoadedModel(model, tokenizer, spec, config.model or "gemma-3-270m", max_len, device, dtype)
+    return LoadedModel(
+        model, tokenizer, spec, config.model or "gemma-3-270m", max_len, device, dtype, config.quantization
+    )
 
 
 def _instantiate(spec: ModelSpec, max_len: int, device: torch.device, dtype: torch.dtype) -> CausalLM:

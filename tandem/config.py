@@ -141,6 +141,8 @@ class ModelConfig:
             raise ValueError(
                 f"quantization: must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
             )
+        if self.quantization == "int8" and self.device == "cuda":
+            raise ValueError("quantization: 'int8' runs on the CPU only; use --device cpu or --quantization none")
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
         if self.threads is not None:

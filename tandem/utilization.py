@@ -34,10 +34,10 @@ class ModelCost:
     head_params: int  # the output layer (vocab x hidden)
     attn_flops_per_pair: int  # per (query token, visible key) pair, all layers
     kv_bytes_per_token: int  # keys + values of one token, all layers
-    weight_bytes: int  # bytes of one parameter
+    weight_bytes: int  # bytes of one matmul parameter (1 with int8 weights)
 
     @classmethod
-    def from_spec(cls, spec: ModelSpec, dtype_bytes: int) -> "ModelCost":
+    def from_spec(cls, spec: ModelSpec, dtype_bytes: int, weight_bytes: int | None = None) -> "ModelCost":
         h, kvh, d = spec.hidden_size, spec.num_kv_heads, spec.head_dim
         per_layer = h * spec.num_heads * d * 2 + h * kvh * d * 2 + 3 * h * spec.intermediate_size
         return cls(
@@ -45,7 +45,7 @@ class ModelCost:
             head_params=spec.vocab_size * h,
             attn_flops_per_pair=4 * spec.num_heads * d * spec.num_layers,
             kv_bytes_per_token=2 * kvh * d * spec.num_layers * dtype_bytes,
-            weight_bytes=dtype_bytes,
+            weight_bytes=dtype_bytes if weight_bytes is None else weight_bytes,
         )
 
     def step(self, chunks: Iterable[tuple[int, int]], num_sampled: int, window: int | None = None) -> tuple[float, float]:

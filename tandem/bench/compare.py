@@ -148,7 +148,7 @@ class InProcessEvaluator:
         self.base = base
         self.loaded = load_model(base.model)
         self.prompt_tokenizer = prompt_tokenizer
-        self.cost = ModelCost.from_spec(self.loaded.spec, self.loaded.dtype.itemsize)
+        self.cost = ModelCost.from_spec(self.loaded.spec, self.loaded.dtype.itemsize, self.loaded.weight_bytes)
         dtype = "bfloat16" if str(self.loaded.dtype) == "torch.bfloat16" else "float32"
         self.peaks = peaks or measure_peaks(self.loaded.device.type, dtype)
 

@@ -77,8 +77,10 @@ class Int8Linear(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = int8_matmul(x, self.qweight, self.scale).to(x.dtype)
-        return y if self.bias is None else y + self.bias
+        y = int8_matmul(x, self.qweight, self.scale)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"

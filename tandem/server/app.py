@@ -490,7 +490,7 @@ def build_state(engine_config: EngineConfig, server_config: ServerConfig) -> Ser
         peaks = Peaks(server_config.peak_flops or measured.flops_per_s,
                       server_config.peak_memory_bandwidth or measured.bytes_per_s, measured=True)
     log.info("peaks for utilization: %.1f GFLOP/s, %.1f GB/s", peaks.flops_per_s / 1e9, peaks.bytes_per_s / 1e9)
-    cost = ModelCost.from_spec(loaded.spec, loaded.dtype.itemsize)
+    cost = ModelCost.from_spec(loaded.spec, loaded.dtype.itemsize, loaded.weight_bytes)
     metrics = ServerMetrics(name, cost, peaks)
     tracer = TraceRecorder(server_config.trace) if server_config.trace else None
 

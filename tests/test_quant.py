@@ -1,0 +1,158 @@
+"""Weight-only int8: the kernel, the plain fallback and the model path against float references.
+
+Int8 keeps activations in float32, so an int8 model must equal a float model whose weights were
+replaced by their dequantized values, up to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.build import load_model
+from tandem.config import ModelConfig
+from tandem.kernels import native
+from tandem.models import quant
+from tandem.models.layers import ForwardContext
+from tandem.models.quant import Int8Linear, int8_matmul, quantize_rows
+from tandem.runner.attention import build_metadata
+from tiny_models import VOCAB, save_tiny
+
+needs_kernel = pytest.mark.skipif(not native.available(), reason="no C compiler or no AVX2 on this CPU")
+
+
+def dequantized(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return q.float() * s[:, None]
+
+
+def test_quantize_rows_error_is_half_a_step():
+    torch.manual_seed(0)
+    w = torch.randn(33, 70) * torch.logspace(-3, 1, 33)[:, None]
+    w[5] = 0.0  # an all-zero row must not divide by zero
+    q, s = quantize_rows(w)
+    assert q.dtype == torch.int8 and s.shape == (33,)
+    assert int(q.abs().max()) <= 127
+    err = (dequantized(q, s) - w).abs()
+    assert torch.all(err <= s[:, None] / 2 + 1e-7)
+    assert torch.all(dequantized(q, s)[5] == 0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 32])
+@pytest.mark.parametrize("n, k", [(7, 20), (64, 64), (130, 200)])
+def test_kernel_matches_float_reference(m, n, k):
+    torch.manual_seed(m * 1000 + n + k)
+    q, s = quantize_rows(torch.randn(n, k))
+    x = torch.randn(m, k)
+    got = native.gemm_i8(x, q, s)
+    want = x.double() @ dequantized(q, s).double().t()
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+
+
+@needs_kernel
+def test_kernel_rows_are_independent_of_batch_size():
+    """A row's result must not depend on which other rows share the call (batch invariance)."""
+    torch.manual_seed(1)
+    q, s = quantize_rows(torch.randn(96, 136))
+    x = torch.randn(11, 136)
+    together = native.gemm_i8(x, q, s)
+    for i in range(11):
+        assert torch.equal(native.gemm_i8(x[i : i + 1].contiguous(), q, s)[0], together[i])
+
+
+@pytest.mark.parametrize("m", [1, 40])  # the kernel's side and the blocked-BLAS side of the cut
+@pytest.mark.parametrize("kernels", [True, False])
+def test_int8_matmul_paths_agree(monkeypatch, m, kernels):
+    if kernels and not native.available():
+        pytest.skip("no native kernel here")
+    if not kernels:
+        monkeypatch.setattr(native, "available", lambda: False)
+    monkeypatch.setattr(quant, "DEQUANT_ELEMENTS", 64 * 48)  # several row blocks even for a small weight
+    torch.manual_seed(2)
+    q, s = quantize_rows(torch.randn(200, 48))
+    x = torch.randn(3, m, 48)  # leading dimensions are kept
+    got = int8_matmul(x, q, s)
+    assert got.shape == (3, m, 200)
+    torch.testing.assert_close(got, x @ dequantized(q, s).t(), atol=1e-4, rtol=1e-5)
+
+
+def test_int8_linear_keeps_bias_and_dtype():
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(24, 10, bias=True)
+    qlin = Int8Linear.from_linear(lin)
+    x = torch.randn(5, 24)
+    want = x @ dequantized(qlin.qweight, qlin.scale).t() + lin.bias
+    torch.testing.assert_close(qlin(x), want, atol=1e-5, rtol=1e-5)
+    assert qlin(x.bfloat16()).dtype == torch.bfloat16
+
+
+def _logits(loaded, ids: torch.Tensor) -> torch.Tensor:
+    spec = loaded.spec
+    block = 4
+    n_blocks = -(-len(ids) // block)
+    cache = torch.zeros(spec.num_layers, 2, n_blocks * block, spec.num_kv_heads, spec.head_dim)
+    meta = build_metadata([(0, len(ids), list(range(n_blocks)))], block, spec.sliding_window, torch.device("cpu"))
+    with torch.no_grad():
+        return loaded.model.compute_logits(loaded.model(ids, ForwardContext(meta, cache, torch.arange(len(ids)))))
+
+
+def _dequantize_into(float_model: torch.nn.Module, int8_model: torch.nn.Module) -> None:
+    """Give the float model the int8 model's rounded weights (tied embedding table included)."""
+    qmods = dict(int8_model.named_modules())
+    with torch.no_grad():
+        for name, mod in float_model.named_modules():
+            if isinstance(mod, torch.nn.Linear):
+                qm = qmods[name]
+                mod.weight.copy_(dequantized(qm.qweight, qm.scale))
+        if float_model.lm_head is None:
+            head = int8_model.lm_head
+            float_model.model.embed_tokens.weight.copy_(dequantized(head.qweight, head.scale))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_int8_model_equals_float_model_with_rounded_weights(tmp_path, family):
+    save_tiny(family, tmp_path)
+    cfg = ModelConfig(model=str(tmp_path), dtype="float32", device="cpu")
+    plain = load_model(cfg)
+    int8 = load_model(ModelConfig(model=str(tmp_path), dtype="float32", device="cpu", quantization="int8"))
+    assert not any(isinstance(m, torch.nn.Linear) for m in int8.model.modules())
+    rounded = copy.deepcopy(plain)
+    _dequantize_into(rounded.model, int8.model)
+    ids = torch.randint(3, VOCAB, (37,))
+    got, want, orig = _logits(int8, ids), _logits(rounded, ids), _logits(plain, ids)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    assert not torch.allclose(got, orig, atol=1e-6)  # the weights really were rounded
+
+
+def test_int8_engine_greedy_is_batch_independent(tmp_path):
+    save_tiny("gemma3", tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", quantization="int8", max_num_batched_tokens=16)
+    prompts = [[1] + [(7 * i + 3 * j) % (VOCAB - 3) + 3 for j in range(5 + 4 * i)] for i in range(5)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    together = [o.token_ids for o in llm.generate(prompts, params)]
+    alone = [llm.generate(p, params)[0].token_ids for p in prompts]
+    assert together == alone
+    assert llm.engine.allocator.all_free()
+
+
+def test_quantization_is_validated():
+    with pytest.raises(ValueError, match="quantization"):
+        ModelConfig(quantization="int3").validate()
+    with pytest.raises(ValueError, match="quantization: 'int8' runs on the CPU only"):
+        ModelConfig(quantization="int8", device="cuda").validate()
+
+
+def test_native_build_is_cached_and_reports_compiler_errors(tmp_path):
+    if native._compiler() is None:
+        pytest.skip("no C compiler")
+    src = tmp_path / "k.c"
+    src.write_text("int tandem_answer(void) { return 42; }\n")
+    first = native.build(src, tmp_path / "out")
+    assert native.build(src, tmp_path / "out") == first  # the same source is not compiled again
+    src.write_text("int tandem_answer(void) { return 42 }\n")
+    with pytest.raises(RuntimeError, match="compiling k.c failed"):
+        native.build(src, tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [first.name]  # nothing half-written left
