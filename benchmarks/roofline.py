@@ -1,14 +1,16 @@
 """The engine against this machine's own limits, measured in one run.
 
     .venv/bin/python benchmarks/roofline.py --out docs/results/roofline.json
+    .venv/bin/python benchmarks/roofline.py --quantization int8 --out docs/results/roofline-int8.json
 
 1. Peaks: matmul FLOP/s per dtype (a large square shape and the skinny decode shape of the output
    layer) and memory read bandwidth.
 2. Decode step time vs batch size (and two context lengths), against the roofline floor:
    max(weights + KV read / bandwidth, FLOPs / peak FLOP/s).
 3. Prefill throughput vs chunk size, against the compute floor.
-4. Engine overhead per step: step time outside the forward pass and sampling (scheduling, batch
-   building, detokenization, bookkeeping), as a share of the step.
+4. Engine overhead per step: step time outside the model's forward pass and output layer
+   (scheduling, batch and attention-metadata building, sampling, detokenization), as a share
+   of the step.
 Every figure is a ratio measured in this run; medians of repeated steps.
 """
 
@@ -53,7 +55,8 @@ def median_step(llm: LLM, prompts, params, kind: str) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--batches", default="1,4,16,32")
+    ap.add_argument("--quantization", default="none", help="none or int8 (weight-only int8)")
+    ap.add_argument("--batches", default="1,4,16,32,64")
     ap.add_argument("--contexts", default="128,512")
     ap.add_argument("--chunks", default="64,256,1024")
     ap.add_argument("--decode-steps", type=int, default=12)
@@ -61,12 +64,13 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
 
-    llm = LLM(dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=2048)
+    llm = LLM(dtype=args.dtype, quantization=args.quantization, max_num_seqs=64, max_num_batched_tokens=4096,
+              max_model_len=2048)
     spec, dtype = llm.loaded.spec, llm.loaded.dtype
     dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float32"
     peaks = measure_peaks("cpu", dtype_name, seconds=2.0)
     result: dict = {"command": "benchmarks/roofline.py " + " ".join(sys.argv[1:]), "dtype": dtype_name,
-                    "threads": torch.get_num_threads()}
+                    "quantization": args.quantization, "threads": torch.get_num_threads()}
     result["peaks"] = {
         "matmul_gflops_1024": peaks.flops_per_s / 1e9,
         "bandwidth_gb_s": peaks.bytes_per_s / 1e9,
@@ -74,7 +78,7 @@ def main() -> None:
                                         for rows in (1, 16, 64)},
     }
     print(json.dumps(result["peaks"], indent=1), flush=True)
-    cost = ModelCost.from_spec(spec, dtype.itemsize)
+    cost = ModelCost.from_spec(spec, dtype.itemsize, llm.loaded.weight_bytes)
 
     decode = []
     for ctx in (int(c) for c in args.contexts.split(",")):

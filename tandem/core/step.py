@@ -83,4 +83,5 @@ class RunnerOutput:
     sampled: dict[str, SampledToken]
     """One entry per chunk that samples, keyed by request id."""
     forward_seconds: float = 0.0
-    """Time inside the model's forward pass and sampling (the rest of a step is overhead)."""
+    """Time inside the model's forward pass and output layer; the rest of a step (scheduling, batch
+    and metadata building, sampling, detokenization) is the engine's overhead."""

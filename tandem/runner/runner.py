@@ -49,7 +49,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        start = time.perf_counter()
         for request_id in out.finished_ids:
             self.sampler.forget(request_id)
         input_ids: list[int] = []
@@ -71,13 +70,19 @@ class ModelRunner:
             kv_cache=self.kv_cache,
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),
         )
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=self.device), ctx)
-        sampling = [c for c in out.chunks if c.samples]
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        start = time.perf_counter()
+        hidden = self.model(ids, ctx)
+        logits = self.model.compute_logits(hidden.index_select(0, rows)) if sample_rows else None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        model_seconds = time.perf_counter() - start
         sampled: dict[str, SampledToken] = {}
-        if sampling:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-            ids = [c.request.request_id for c in sampling]
-            tokens, logprobs = self.sampler.sample(logits, ids, [c.request.params for c in sampling])
-            for rid, tok, lp in zip(ids, tokens, logprobs):
+        if logits is not None:
+            sampling = [c for c in out.chunks if c.samples]
+            request_ids = [c.request.request_id for c in sampling]
+            tokens, logprobs = self.sampler.sample(logits, request_ids, [c.request.params for c in sampling])
+            for rid, tok, lp in zip(request_ids, tokens, logprobs):
                 sampled[rid] = SampledToken(tok, lp)
-        return RunnerOutput(sampled=sampled, forward_seconds=time.perf_counter() - start)
+        return RunnerOutput(sampled=sampled, forward_seconds=model_seconds)
