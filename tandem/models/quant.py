@@ -14,16 +14,24 @@ same blocked dequantize-and-matmul path runs everywhere.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels import native
 
-# Below this many rows the int8 kernel beats dequantize + BLAS on this code's CPUs; measured
-# by benchmarks/int8_kernel.py.
+# When the int8 kernel beats dequantize + BLAS (benchmarks/int8_kernel.py, docs/performance.md):
+# up to about 32 rows for the layers' weights, and up to 128 rows for a weight as large as the
+# output head, which no cache holds and which BLAS also reads from memory at these row counts.
 KERNEL_MAX_ROWS = 32
-# Rows of weights dequantized per BLAS call on the large-batch path (about 4 MiB in float32).
-DEQUANT_ELEMENTS = 1 << 20
+LARGE_WEIGHT_ELEMENTS = 1 << 26
+LARGE_WEIGHT_MAX_ROWS = 128
+# Weights dequantized per BLAS call on the large-batch path (16 MiB in float32).
+DEQUANT_ELEMENTS = 1 << 22
+
+
+def use_kernel(rows: int, weight_elements: int) -> bool:
+    if rows <= KERNEL_MAX_ROWS:
+        return True
+    return weight_elements >= LARGE_WEIGHT_ELEMENTS and rows <= LARGE_WEIGHT_MAX_ROWS
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,21 +47,21 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> 
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
     n, k = qweight.shape
-    if x2.device.type == "cpu" and x2.shape[0] <= KERNEL_MAX_ROWS and native.available():
-        y = native.gemm_i8(x2, qweight, scale)
-    else:
-        y = torch.empty(x2.shape[0], n, dtype=torch.float32, device=x2.device)
-        step = max(1, DEQUANT_ELEMENTS // k)
-        use_kernel = x2.device.type == "cpu" and native.available()
-        buf = torch.empty(min(step, n), k, dtype=torch.float32, device=x2.device) if use_kernel else None
-        for n0 in range(0, n, step):
-            n1 = min(n, n0 + step)
-            if use_kernel:
-                w = native.dequant_i8(qweight, scale, buf, n0, n1)
-            else:
-                w = qweight[n0:n1].float() * scale[n0:n1, None]
-            y[:, n0:n1] = F.linear(x2, w)
-    return y.reshape(*lead, n)
+    native_ok = x2.device.type == "cpu" and native.available()
+    if native_ok and use_kernel(x2.shape[0], n * k):
+        return native.gemm_i8(x2, qweight, scale).reshape(*lead, n)
+    # Blocks of whole weight rows, written to contiguous rows of the transposed result.
+    y_t = torch.empty(n, x2.shape[0], dtype=torch.float32, device=x2.device)
+    step = max(1, DEQUANT_ELEMENTS // k)
+    buf = torch.empty(min(step, n), k, dtype=torch.float32) if native_ok else None
+    for n0 in range(0, n, step):
+        n1 = min(n, n0 + step)
+        if native_ok:
+            w = native.dequant_i8(qweight, scale, buf, n0, n1)
+        else:
+            w = qweight[n0:n1].float() * scale[n0:n1, None]
+        torch.mm(w, x2.t(), out=y_t[n0:n1])
+    return y_t.t().reshape(*lead, n)
 
 
 class Int8Linear(nn.Module):

@@ -1,0 +1,72 @@
+"""The int8 matmul paths against float32 BLAS on the default model's matmul shapes.
+
+    .venv/bin/python benchmarks/int8_kernel.py --out docs/results/int8_kernel.json
+
+For each weight shape (N x K) of Gemma 3 270M and each row count M: float32 ``F.linear``, the
+AVX2 int8 kernel (``tandem.kernels``), and the blocked dequantize + BLAS path. Best of repeated
+calls (this machine is shared; the minimum is the least disturbed). The row count where the
+kernel stops winning sets ``tandem.models.quant.use_kernel``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tandem.kernels import native
+from tandem.models import quant
+
+SHAPES = {"qkv": (1536, 640), "o": (640, 1024), "gate_up": (4096, 640), "down": (640, 2048),
+          "head": (262144, 640)}
+
+
+def best_ms(fn, seconds: float) -> float:
+    fn()
+    best = float("inf")
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,4,16,32,64,128")
+    ap.add_argument("--seconds", type=float, default=0.4, help="time budget per measurement")
+    ap.add_argument("--out", default="docs/results/int8_kernel.json")
+    args = ap.parse_args()
+    if not native.available():
+        sys.exit("the native int8 kernel is not available here (no C compiler or no AVX2)")
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k) * 0.05
+        q, s = quant.quantize_rows(w)
+        for m in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(m, k)
+            budget = args.seconds * (4 if name == "head" else 1)
+            fp32 = best_ms(lambda: F.linear(x, w), budget)
+            kernel = best_ms(lambda: native.gemm_i8(x, q, s), budget)
+            saved, quant.use_kernel = quant.use_kernel, lambda rows, elements: False
+            blocked = best_ms(lambda: quant.int8_matmul(x, q, s), budget)
+            quant.use_kernel = saved
+            row = {"shape": name, "n": n, "k": k, "rows": m, "fp32_ms": fp32, "int8_kernel_ms": kernel,
+                   "int8_blocked_ms": blocked, "kernel_weight_gb_s": n * k / kernel / 1e6}
+            rows.append(row)
+            print(f"{name:8s} {n:6d}x{k:<5d} M={m:<4d} fp32 {fp32:8.3f} ms  kernel {kernel:8.3f} ms  "
+                  f"blocked {blocked:8.3f} ms  kernel/fp32 {fp32 / kernel:4.1f}x", flush=True)
+    result = {"command": "benchmarks/int8_kernel.py " + " ".join(sys.argv[1:]), "threads": torch.get_num_threads(),
+              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
