@@ -387,10 +387,9 @@ def ratios_table(results: list[PeerResult], concurrency: list[int]) -> list[str]
 
 
 def plot(results: list[PeerResult], concurrency: list[int], path: Path) -> None:
-    import matplotlib
+    from tandem.bench.report import save_figure  # selects the Agg backend first
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: I001
 
     measured = [r for r in results if r.status == "ok"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -409,9 +408,7 @@ def plot(results: list[PeerResult], concurrency: list[int], path: Path) -> None:
         ax.grid(axis="y", alpha=0.3)
     if measured:
         axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _clean(obj):

@@ -264,7 +264,6 @@ def machine() -> dict:
 def markdown(result: dict) -> str:
     cfg, m = result["config"], result["machine"]
     tf, gr = result["teacher_forced"], result["greedy"]
-    variants = list(tf) or list(gr.get("variants", {}))
     lines = [
         "# Accuracy cost of bfloat16 and int8 weights",
         "",

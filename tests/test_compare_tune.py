@@ -134,7 +134,7 @@ def test_tune_on_tiny_model(tiny_evaluator, tmp_path):
     base, ev = tiny_evaluator
     cfg = TuneConfig(scenario="equal", slo_ttft_ms=60_000, slo_itl_ms=5_000, chunk_sizes="64,256",
                      max_num_seqs_values="8,32", repeats=2, result_dir=str(tmp_path / "tune"))
-    out = run_tune(cfg, base, evaluator=ev)
+    run_tune(cfg, base, evaluator=ev)
     for name in ("tune.json", "tune.md", "pareto.png"):
         assert (tmp_path / "tune" / name).stat().st_size > 0
     data = json.loads((tmp_path / "tune" / "tune.json").read_text())

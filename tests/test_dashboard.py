@@ -8,7 +8,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from prometheus_client import generate_latest
 
 from tandem.core.engine import RequestOutput, StepStats
 from tandem.core.request import RequestTiming

@@ -214,7 +214,7 @@ def test_failed_step_fails_only_its_requests():
 
 def test_eos_and_stop_token_ids():
     engine, runner = make_engine()
-    rid = engine.add_request([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True))
     (out,) = run_all(engine).values()
     stop_tok = out.token_ids[4]
     first = out.token_ids.index(stop_tok)

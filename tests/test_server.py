@@ -4,7 +4,6 @@ and by raw HTTP for the error cases."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket

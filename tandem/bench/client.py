@@ -7,7 +7,6 @@ does); token counts come from the server's usage report when it sends one.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 
 import httpx

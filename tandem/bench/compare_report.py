@@ -14,6 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from tandem.bench.compare import Evaluation, results_json, row  # noqa: E402
+from tandem.bench.report import save_figure  # noqa: E402
 
 PLOTS = ("ttft_vs_throughput.png", "itl_timelines.png", "step_mix.png")
 
@@ -53,9 +54,7 @@ def plot_ttft_vs_throughput(evaluations: list[Evaluation], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_title("TTFT vs throughput (right and low is better)")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_itl_timelines(evaluations: list[Evaluation], path: Path) -> None:
@@ -74,9 +73,7 @@ def plot_itl_timelines(evaluations: list[Evaluation], path: Path) -> None:
         ax.set_title(e.candidate.name, fontsize=9, loc="left")
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("seconds since start (each dot: the gap before one token; high dots are stalls)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_step_mix(evaluations: list[Evaluation], path: Path) -> None:
@@ -97,9 +94,7 @@ def plot_step_mix(evaluations: list[Evaluation], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0, 0].legend(loc="upper right", fontsize=8)
     axes[-1, 0].set_xlabel("seconds since start (bar width = step duration)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def write_compare_report(out: Path, evaluations: list[Evaluation], meta: dict) -> list[Path]:

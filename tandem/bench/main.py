@@ -17,7 +17,7 @@ import httpx
 from tandem.bench.arrivals import arrival_offsets
 from tandem.bench.config import BenchConfig
 from tandem.bench.progress import RunProgress
-from tandem.bench.report import write_report
+from tandem.bench.report import save_figure, write_report
 from tandem.bench.runner import RunData, run_inprocess, run_openai
 from tandem.bench.summary import parse_goodput, per_class, summarize_run
 from tandem.bench.workload import (
@@ -229,10 +229,7 @@ def _sweep(cfg: BenchConfig, w: Workload, engine_config: EngineConfig | None, ou
 
 
 def _plot_sweep(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # the Agg backend is chosen by tandem.bench.report
 
     cs = [r["concurrency"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
@@ -252,6 +249,4 @@ def _plot_sweep(rows: list[dict], path: Path) -> None:
     b.set_title("Latency vs concurrency")
     b.legend()
     b.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -23,6 +23,13 @@ from tandem.bench.runner import RunData  # noqa: E402
 PLOTS = ("latency_cdf.png", "throughput_queue.png", "token_timeline.png")
 
 
+def save_figure(fig, path) -> None:
+    """Every report PNG: tight layout, one resolution, the figure closed (no leaked memory)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _cdf(ax, values: list[float], label: str) -> None:
     xs = sorted(v * 1000 for v in values)
     if not xs:
@@ -48,9 +55,7 @@ def plot_latency_cdf(results: list[RequestResult], path: Path) -> None:
         ax.grid(alpha=0.3)
         if values and max(values) / max(min(values), 1e-9) > 50:
             ax.set_xscale("log")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_throughput_queue(data: RunData, path: Path, bin_s: float | None = None) -> None:
@@ -89,9 +94,7 @@ def plot_throughput_queue(data: RunData, path: Path, bin_s: float | None = None)
     ax2.set_title("Queue")
     ax2.legend(loc="upper right")
     ax2.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_token_timeline(results: list[RequestResult], path: Path, max_requests: int = 80) -> None:
@@ -108,9 +111,7 @@ def plot_token_timeline(results: list[RequestResult], path: Path, max_requests: 
     ax.set_ylabel("request")
     ax.set_title("Token timeline: orange = waiting for the first token, dots = tokens, red = longest stall")
     ax.grid(alpha=0.2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _fmt(v) -> str:

@@ -200,6 +200,8 @@ def write_tune_report(out: Path, result: TuneResult, slo: SLO, meta: dict) -> li
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from tandem.bench.report import save_figure
+
     out.mkdir(parents=True, exist_ok=True)
 
     def entry(t: Trial) -> dict:
@@ -232,9 +234,7 @@ def write_tune_report(out: Path, result: TuneResult, slo: SLO, meta: dict) -> li
         ax.title.set_fontsize(9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "pareto.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, out / "pareto.png")
     b = result.best.summary
     verdict = ("meets the SLOs" if result.feasible else
                f"does NOT meet the SLOs: no configuration tried did; this is the nearest miss "

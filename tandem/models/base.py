@@ -44,14 +44,3 @@ class CausalLM(nn.Module):
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
-
-    def quantize_head_int8(self) -> None:
-        """With tied embeddings, one int8 table serves both the lookup and the output head."""
-        from tandem.models.quant import Int8Embedding, Int8Linear, quantize_rows
-
-        if self.lm_head is not None:
-            return  # an untied head is an nn.Linear, already quantized with the others
-        table = self.model.embed_tokens.weight
-        q, s = quantize_rows(table)
-        self.lm_head = Int8Linear(q, s, None)
-        self.model.embed_tokens = Int8Embedding(self.lm_head, table.dtype)

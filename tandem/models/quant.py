@@ -13,10 +13,13 @@ same blocked dequantize-and-matmul path runs everywhere.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
 from tandem.kernels import native
+from tandem.models.base import CausalLM
 
 # When the int8 kernel beats dequantize + BLAS (benchmarks/int8_kernel.py, docs/performance.md):
 # up to about 32 rows for the layers' weights, and up to 128 rows for a weight as large as the
@@ -26,6 +29,18 @@ LARGE_WEIGHT_ELEMENTS = 1 << 26
 LARGE_WEIGHT_MAX_ROWS = 128
 # Weights dequantized per BLAS call on the large-batch path (16 MiB in float32).
 DEQUANT_ELEMENTS = 1 << 22
+
+
+_local = threading.local()
+
+
+def _scratch(elements: int) -> torch.Tensor:
+    """A float32 buffer reused across calls on this thread (grown when needed), so the prefill
+    path does not allocate and fault in megabytes for every layer of every step."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.numel() < elements:
+        buf = _local.buf = torch.empty(elements, dtype=torch.float32)
+    return buf[:elements]
 
 
 def use_kernel(rows: int, weight_elements: int) -> bool:
@@ -53,7 +68,7 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> 
     # Blocks of whole weight rows, written to contiguous rows of the transposed result.
     y_t = torch.empty(n, x2.shape[0], dtype=torch.float32, device=x2.device)
     step = max(1, DEQUANT_ELEMENTS // k)
-    buf = torch.empty(min(step, n), k, dtype=torch.float32) if native_ok else None
+    buf = _scratch(min(step, n) * k).view(-1, k) if native_ok else None
     for n0 in range(0, n, step):
         n1 = min(n, n0 + step)
         if native_ok:
@@ -76,13 +91,7 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
-        q, s = quantize_rows(linear.weight)
-        out = cls(q, s, linear.bias)
-        # Keep what a merged projection knows about its parts.
-        for attr in ("parts",):
-            if hasattr(linear, attr):
-                setattr(out, attr, getattr(linear, attr))
-        return out
+        return cls(*quantize_rows(linear.weight), linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = int8_matmul(x, self.qweight, self.scale)
@@ -102,22 +111,20 @@ class Int8Embedding(nn.Module):
         self._head = [head]  # not a submodule: the head owns the buffers
         self.dtype = dtype
 
-    @property
-    def weight_int8(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._head[0].qweight, self._head[0].scale
-
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        q, s = self.weight_int8
-        return (q[ids].float() * s[ids, None]).to(self.dtype)
+        head = self._head[0]
+        return (head.qweight[ids].float() * head.scale[ids, None]).to(self.dtype)
 
 
-def quantize_model_int8(model: nn.Module) -> nn.Module:
-    """Replace every ``nn.Linear`` (and a tied embedding + head) in place; returns ``model``."""
-    for name, module in list(model.named_modules()):
+def quantize_model_int8(model: CausalLM) -> CausalLM:
+    """Replace every ``nn.Linear`` in place; with tied embeddings, one int8 table then serves both
+    the lookup and the output head. Returns ``model``."""
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, child_name, Int8Linear.from_linear(child))
-    quantize_head = getattr(model, "quantize_head_int8", None)
-    if quantize_head is not None:
-        quantize_head()
+    if model.lm_head is None:  # tied: an untied head was an nn.Linear, quantized above
+        table = model.model.embed_tokens.weight
+        model.lm_head = Int8Linear(*quantize_rows(table), None)
+        model.model.embed_tokens = Int8Embedding(model.lm_head, table.dtype)
     return model

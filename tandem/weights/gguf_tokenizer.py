@@ -241,6 +241,25 @@ def _eos_ids(reader: "gguf.GGUFReader", tokens: list[str], types: np.ndarray) ->
     return tuple(ids)
 
 
+def _bpe_model(reader, tokens: list[str], vocab: dict, merges: "_MergeIds", sentencepiece: bool,
+               ignore_merges: bool = False) -> dict[str, Any]:
+    """tokenizers' BPE model section. SentencePiece-style vocabularies (``llama``) fuse unknown
+    pieces and fall back to bytes; byte-level ones (``gpt2``) do neither."""
+    unk_id = _optional_id(reader, "tokenizer.ggml.unknown_token_id", len(tokens))
+    return {
+        "type": "BPE",
+        "dropout": None,
+        "unk_token": tokens[unk_id] if unk_id is not None else None,
+        "continuing_subword_prefix": None,
+        "end_of_word_suffix": None,
+        "fuse_unk": sentencepiece,
+        "byte_fallback": sentencepiece,
+        "ignore_merges": ignore_merges,
+        "vocab": vocab,
+        "merges": merges,
+    }
+
+
 def _optional_id(reader: "gguf.GGUFReader", key: str, n_vocab: int) -> int | None:
     value = _scalar(reader, key)
     if value is None:
@@ -427,19 +446,7 @@ def _llama_tokenizer(reader: "gguf.GGUFReader", tokens: list[str], types: np.nda
         lens = np.fromiter(map(len, tokens), dtype=np.int64, count=n)
     merge_left, merge_right = _ordered_merges(tokens, lens, rank, splits)
 
-    unk_id = _optional_id(reader, "tokenizer.ggml.unknown_token_id", n)
-    model = {
-        "type": "BPE",
-        "dropout": None,
-        "unk_token": tokens[unk_id] if unk_id is not None else None,
-        "continuing_subword_prefix": None,
-        "end_of_word_suffix": None,
-        "fuse_unk": True,
-        "byte_fallback": True,
-        "ignore_merges": False,
-        "vocab": vocab,
-        "merges": _MergeIds(merge_left, merge_right),
-    }
+    model = _bpe_model(reader, tokens, vocab, _MergeIds(merge_left, merge_right), sentencepiece=True)
 
     if add_space_prefix:
         normalizer = None
@@ -503,7 +510,6 @@ def _byte_level_spelling(text: str) -> str:
 
 
 def _gpt2_tokenizer(reader: "gguf.GGUFReader", tokens: list[str], types: np.ndarray) -> dict[str, Any]:
-    n = len(tokens)
     merges_raw = _string_array(reader, "tokenizer.ggml.merges") or []
     pre = (_scalar(reader, "tokenizer.ggml.pre", "") or "").lower()
 
@@ -540,19 +546,8 @@ def _gpt2_tokenizer(reader: "gguf.GGUFReader", tokens: list[str], types: np.ndar
             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
         ],
     }
-    unk_id = _optional_id(reader, "tokenizer.ggml.unknown_token_id", n)
-    model = {
-        "type": "BPE",
-        "dropout": None,
-        "unk_token": tokens[unk_id] if unk_id is not None else None,
-        "continuing_subword_prefix": None,
-        "end_of_word_suffix": None,
-        "fuse_unk": False,
-        "byte_fallback": False,
-        "ignore_merges": pre in _IGNORE_MERGES_PRES,
-        "vocab": vocab,
-        "merges": _MergeIds(np.asarray(merge_left, dtype=np.int64), np.asarray(merge_right, dtype=np.int64)),
-    }
+    merges = _MergeIds(np.asarray(merge_left, dtype=np.int64), np.asarray(merge_right, dtype=np.int64))
+    model = _bpe_model(reader, tokens, vocab, merges, sentencepiece=False, ignore_merges=pre in _IGNORE_MERGES_PRES)
     added = [
         _added_token(tokens[i], i, special=bool(types[i] == _CONTROL))
         for i in np.flatnonzero(special_mask).tolist()
