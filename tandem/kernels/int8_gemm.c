@@ -4,12 +4,28 @@
  *
  * Decode is bound by reading the weights; int8 weights are a quarter of float32's bytes. Each
  * weight is widened to float32 in registers and multiplied in float32, so the only error is the
- * weights' rounding. Two weight rows by four input rows per register block: the weights are
- * read once per block of four inputs. Rows of N are split across OpenMP threads (the same
- * libgomp torch uses, so one thread pool). Built and loaded by tandem/kernels/native.py.
+ * weights' rounding.
+ *
+ * Register blocks of MR input rows by NR weight rows: 1x4, 2x4 and 3x4 for the few rows of a
+ * decode step (bound by reading the weights from memory), 4x2 otherwise (eight independent
+ * accumulators, enough to cover the FMA latency once the weights come from cache). Every block
+ * accumulates each (m, n) the same way (one accumulator, k in order), so a row's result does not
+ * depend on how many rows share the call (batch invariance).
+ *
+ * Work is split into tiles of TILE_N weight rows across OpenMP threads (the same libgomp torch
+ * uses, so one thread pool). Within a tile, each block of input rows runs over all its weight
+ * rows while the inputs stay in L1 and the tile's weights in L2. Built and loaded by
+ * tandem/kernels/native.py.
  */
 #include <immintrin.h>
 #include <stdint.h>
+
+#define TILE_N 64
+/* The NR weight rows of a block are contiguous; each step over k consumes NR * 8 bytes of them,
+ * and the block prefetches as far ahead. Rows of a few hundred bytes are too short for the
+ * hardware prefetcher to ramp up on its own: without this, decode reads weights from memory at
+ * a third of the bandwidth. */
+#define PREFETCH_BYTES 4096
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -22,49 +38,62 @@ static inline __m256 widen8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
-/* Rows m0 .. m0+mm (mm <= 4) against weight rows n, n+1 (w1 == w0 when only one is left). */
-static inline __attribute__((always_inline)) void block(const float *x, const int8_t *w0, const int8_t *w1, long mm, long K, float out[4][2]) {
-    __m256 a[4][2];
-    for (int i = 0; i < 4; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
-    long k = 0;
-    for (; k + 8 <= K; k += 8) {
-        __m256 v0 = widen8(w0 + k), v1 = widen8(w1 + k);
-        for (int i = 0; i < 4; i++) {
-            if (i >= mm) break;
-            __m256 xv = _mm256_loadu_ps(x + i * K + k);
-            a[i][0] = _mm256_fmadd_ps(xv, v0, a[i][0]);
-            a[i][1] = _mm256_fmadd_ps(xv, v1, a[i][1]);
-        }
+/* MR input rows (x, row stride K) against NR weight rows w[0..NR): out[i * NR + j]. One function
+ * per block shape, with fixed sizes, so the accumulators live in registers. */
+#define DEFINE_BLOCK(MR, NR)                                                                        \
+    static void block_##MR##x##NR(const float *x, const int8_t *const *w, long K, float *out) {     \
+        __m256 a[MR][NR];                                                                           \
+        for (int i = 0; i < MR; i++)                                                                \
+            for (int j = 0; j < NR; j++) a[i][j] = _mm256_setzero_ps();                             \
+        long k = 0;                                                                                 \
+        for (; k + 8 <= K; k += 8) {                                                                \
+            _mm_prefetch((const char *)(w[0] + PREFETCH_BYTES + k * NR), _MM_HINT_T0);              \
+            __m256 v[NR];                                                                           \
+            for (int j = 0; j < NR; j++) v[j] = widen8(w[j] + k);                                   \
+            for (int i = 0; i < MR; i++) {                                                          \
+                __m256 xv = _mm256_loadu_ps(x + i * K + k);                                         \
+                for (int j = 0; j < NR; j++) a[i][j] = _mm256_fmadd_ps(xv, v[j], a[i][j]);          \
+            }                                                                                       \
+        }                                                                                           \
+        for (int i = 0; i < MR; i++)                                                                \
+            for (int j = 0; j < NR; j++) {                                                          \
+                float s = hsum(a[i][j]);                                                            \
+                for (long t = k; t < K; t++) s += x[i * K + t] * (float)w[j][t];                    \
+                out[i * NR + j] = s;                                                                \
+            }                                                                                       \
+    }                                                                                               \
+                                                                                                    \
+    /* Input rows m0 .. m0+MR against weight rows n0 .. n1 (a tile), NR at a time; the last group \
+     * repeats row n1 - 1 where fewer than NR are left and drops those results. */                  \
+    static void tile_##MR##x##NR(const float *x, const int8_t *w, const float *scale, float *y,     \
+                                 long m0, long n0, long n1, long N, long K) {                       \
+        for (long n = n0; n < n1; n += NR) {                                                        \
+            const int8_t *wp[NR];                                                                   \
+            for (int j = 0; j < NR; j++) wp[j] = w + (n + j < n1 ? n + j : n1 - 1) * K;             \
+            float out[MR * NR];                                                                     \
+            block_##MR##x##NR(x + m0 * K, wp, K, out);                                              \
+            for (int i = 0; i < MR; i++)                                                            \
+                for (int j = 0; j < NR && n + j < n1; j++)                                          \
+                    y[(m0 + i) * N + n + j] = out[i * NR + j] * scale[n + j];                       \
+        }                                                                                           \
     }
-    for (int i = 0; i < mm; i++) {
-        float s0 = hsum(a[i][0]), s1 = hsum(a[i][1]);
-        for (long t = k; t < K; t++) {
-            s0 += x[i * K + t] * (float)w0[t];
-            s1 += x[i * K + t] * (float)w1[t];
-        }
-        out[i][0] = s0;
-        out[i][1] = s1;
-    }
-}
+
+DEFINE_BLOCK(1, 4)
+DEFINE_BLOCK(2, 4)
+DEFINE_BLOCK(3, 4)
+DEFINE_BLOCK(4, 2)
 
 void tandem_gemm_i8(const float *x, const int8_t *w, const float *scale, float *y, long M, long N, long K) {
-    long pairs = (N + 1) / 2;
+    long tiles = (N + TILE_N - 1) / TILE_N;
 #pragma omp parallel for schedule(static)
-    for (long p = 0; p < pairs; p++) {
-        long n = 2 * p;
-        int two = n + 1 < N;
-        const int8_t *w0 = w + n * K, *w1 = two ? w0 + K : w0;
-        for (long m = 0; m < M; m += 4) {
-            long mm = M - m < 4 ? M - m : 4;
-            float out[4][2];
-            /* Constant row counts let the compiler keep every accumulator in a register. */
-            if (mm == 4) block(x + m * K, w0, w1, 4, K, out);
-            else if (mm == 1) block(x + m * K, w0, w1, 1, K, out);
-            else block(x + m * K, w0, w1, mm, K, out);
-            for (long i = 0; i < mm; i++) {
-                y[(m + i) * N + n] = out[i][0] * scale[n];
-                if (two) y[(m + i) * N + n + 1] = out[i][1] * scale[n + 1];
-            }
+    for (long t = 0; t < tiles; t++) {
+        long n0 = t * TILE_N, n1 = n0 + TILE_N < N ? n0 + TILE_N : N;
+        long m = 0;
+        for (; m + 4 <= M; m += 4) tile_4x2(x, w, scale, y, m, n0, n1, N, K);
+        switch (M - m) {
+            case 3: tile_3x4(x, w, scale, y, m, n0, n1, N, K); break;
+            case 2: tile_2x4(x, w, scale, y, m, n0, n1, N, K); break;
+            case 1: tile_1x4(x, w, scale, y, m, n0, n1, N, K); break;
         }
     }
 }
