@@ -3,9 +3,11 @@
     .venv/bin/python benchmarks/int8_kernel.py --out docs/results/int8_kernel.json
 
 For each weight shape (N x K) of Gemma 3 270M and each row count M: float32 ``F.linear``, the
-AVX2 int8 kernel (``tandem.kernels``), and the blocked dequantize + BLAS path. Best of repeated
-calls (this machine is shared; the minimum is the least disturbed). The row count where the
-kernel stops winning sets ``tandem.models.quant.use_kernel``.
+AVX2 weight-only int8 kernel (``tandem.kernels``), the blocked dequantize + BLAS path, and the
+w8a8 kernel (inputs rounded to int8, integer products). Best of repeated calls (this machine is
+shared; the minimum is the least disturbed). The row count where the weight-only kernel stops
+beating the blocked path sets ``tandem.models.quant.use_kernel``. Each call reads one weight
+that is already in cache for the small shapes: see benchmarks/roofline.py for whole steps.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def best_ms(fn, seconds: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default="1,4,16,32,64,128")
+    ap.add_argument("--rows", default="1,4,16,32,64,128,256")
     ap.add_argument("--seconds", type=float, default=0.4, help="time budget per measurement")
     ap.add_argument("--out", default="docs/results/int8_kernel.json")
     args = ap.parse_args()
@@ -57,11 +59,14 @@ def main() -> None:
             saved, quant.use_kernel = quant.use_kernel, lambda rows, elements: False
             blocked = best_ms(lambda: quant.int8_matmul(x, q, s), budget)
             quant.use_kernel = saved
+            w8a8 = best_ms(lambda: native.gemm_w8a8(x, q, s), budget)
             row = {"shape": name, "n": n, "k": k, "rows": m, "fp32_ms": fp32, "int8_kernel_ms": kernel,
-                   "int8_blocked_ms": blocked, "kernel_weight_gb_s": n * k / kernel / 1e6}
+                   "int8_blocked_ms": blocked, "w8a8_kernel_ms": w8a8, "kernel_weight_gb_s": n * k / kernel / 1e6,
+                   "w8a8_gop_s": 2 * m * n * k / w8a8 / 1e6}
             rows.append(row)
             print(f"{name:8s} {n:6d}x{k:<5d} M={m:<4d} fp32 {fp32:8.3f} ms  kernel {kernel:8.3f} ms  "
-                  f"blocked {blocked:8.3f} ms  kernel/fp32 {fp32 / kernel:4.1f}x", flush=True)
+                  f"blocked {blocked:8.3f} ms  w8a8 {w8a8:8.3f} ms  kernel/fp32 {fp32 / kernel:4.1f}x  "
+                  f"w8a8/fp32 {fp32 / w8a8:4.1f}x", flush=True)
     result = {"command": "benchmarks/int8_kernel.py " + " ".join(sys.argv[1:]), "threads": torch.get_num_threads(),
               "cpu_capability": torch.backends.cpu.get_cpu_capability(), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

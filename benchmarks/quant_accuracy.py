@@ -1,8 +1,8 @@
-"""What lower-precision weights cost in accuracy: bfloat16 and weight-only int8 against float32.
+"""What lower precision costs in accuracy: bfloat16, weight-only int8 and w8a8 against float32.
 
     .venv/bin/python benchmarks/quant_accuracy.py --out docs/results/quant_accuracy
 
-(defaults: ``--texts 16 --max-tokens 256 --variants bfloat16,int8 --greedy-prompts 4
+(defaults: ``--texts 16 --max-tokens 256 --variants bfloat16,int8,w8a8 --greedy-prompts 4
 --greedy-tokens 32 --threads 1``; ``--out`` is a path without suffix: the script writes
 ``<out>.json`` and ``<out>.md``.)
 
@@ -11,6 +11,8 @@ next to the reference and freed after use:
 
 - ``bfloat16``: ``dtype="bfloat16"`` (weights and activations in bfloat16),
 - ``int8``: ``dtype="float32", quantization="int8"`` (weight-only int8, float32 activations),
+- ``w8a8``: ``dtype="float32", quantization="w8a8"`` (int8 weights; each layer's inputs rounded to
+  int8 per block of 32 values),
 - ``int8-bfloat16`` (not in the default list): ``dtype="bfloat16", quantization="int8"``.
 
 Teacher-forced part: real prompts (ShareGPT first turns from ``../shared/datasets``; without it,
@@ -68,9 +70,11 @@ CHUNK_ROWS = 64  # positions per log-softmax/KL chunk (each [64, 262144] float32
 VARIANTS = {
     "bfloat16": ("bfloat16", "none"),
     "int8": ("float32", "int8"),
+    "w8a8": ("float32", "w8a8"),
     "int8-bfloat16": ("bfloat16", "int8"),
 }
 REFERENCE = ("float32", "none")
+WEIGHTS_LABEL = {"int8": "int8 per-row", "w8a8": "int8 per-row, int8 inputs per 32"}
 
 
 def log(msg: str) -> None:
@@ -265,7 +269,7 @@ def markdown(result: dict) -> str:
     cfg, m = result["config"], result["machine"]
     tf, gr = result["teacher_forced"], result["greedy"]
     lines = [
-        "# Accuracy cost of bfloat16 and int8 weights",
+        "# Accuracy cost of bfloat16, int8 weights and w8a8",
         "",
         f"Regenerate: `{result['command']}`",
         "(raw numbers: [quant_accuracy.json](quant_accuracy.json)).",
@@ -293,7 +297,7 @@ def markdown(result: dict) -> str:
             dtype, quant = VARIANTS[name]
             fs = r["forward_seconds"]
             lines.append(
-                f"| {name} | {dtype} / {'int8 per-row' if quant == 'int8' else dtype} "
+                f"| {name} | {dtype} / {WEIGHTS_LABEL.get(quant, dtype)} "
                 f"| {r['ref_ppl']:.4f} → {r['ppl']:.4f} | {r['ppl_change_pct']:+.3f}% | {r['kl_mean']:.6f} "
                 f"| {r['kl_median']:.6f} / {r['kl_p99']:.5f} / {r['kl_max']:.4f} "
                 f"| {100 * r['top1_agreement']:.2f}% | {r['logprob_abs_diff_mean']:.5f} "
@@ -319,8 +323,9 @@ def markdown(result: dict) -> str:
         "Perplexity is pooled over all predicted tokens (exp of the mean NLL), not averaged per text. "
         "Forward seconds are the summed teacher-forced forward passes at the run's thread count on a "
         "shared machine: a rough guide, not a speed measurement. "
-        "The teacher-forced numbers run the prefill path (for int8: blocked dequantize + float32 BLAS); "
-        "greedy decode runs int8's small-batch kernel, which agrees with it to float32 rounding.",
+        "The teacher-forced numbers run the prefill path (for int8: blocked dequantize + float32 BLAS; for "
+        "w8a8: its integer kernel, the same at every batch size); greedy decode runs int8's small-batch "
+        "kernel, which agrees with the prefill path to float32 rounding.",
         "",
     ]
     return "\n".join(lines)
@@ -333,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--texts", type=int, default=16, help="number of prompts to score (default 16)")
     ap.add_argument("--max-tokens", type=int, default=256, help="tokens per text at most (default 256)")
-    ap.add_argument("--variants", default="bfloat16,int8", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--variants", default="bfloat16,int8,w8a8", help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--greedy-prompts", type=int, default=4, help="short prompts for greedy agreement (0: skip)")
     ap.add_argument("--greedy-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
     ap.add_argument(

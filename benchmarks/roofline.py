@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/roofline.py --out docs/results/roofline.json
     .venv/bin/python benchmarks/roofline.py --quantization int8 --out docs/results/roofline-int8.json
+    .venv/bin/python benchmarks/roofline.py --quantization w8a8 --out docs/results/roofline-w8a8.json
 
 1. Peaks: matmul FLOP/s per dtype (a large square shape and the skinny decode shape of the output
    layer) and memory read bandwidth.
@@ -57,7 +58,7 @@ def median_step(llm: LLM, prompts, params, kind: str) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--quantization", default="none", help="none or int8 (weight-only int8)")
+    ap.add_argument("--quantization", default="none", help="none, int8 (weight-only int8) or w8a8 (int8 weights and inputs)")
     ap.add_argument("--batches", default="1,4,16,32,64")
     ap.add_argument("--contexts", default="128,512")
     ap.add_argument("--chunks", default="64,256,1024")

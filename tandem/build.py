@@ -76,7 +76,7 @@ class LoadedModel:
     @property
     def weight_bytes(self) -> int:
         """Bytes per matmul weight as stored (int8 scales, one per row, are left out)."""
-        return 1 if self.quantization == "int8" else self.dtype.itemsize
+        return 1 if self.quantization != "none" else self.dtype.itemsize
 
 
 def load_model(config: ModelConfig) -> LoadedModel:
@@ -110,12 +110,12 @@ def load_model(config: ModelConfig) -> LoadedModel:
         raise ValueError(
             f"max_model_len: {max_len} exceeds the model's {spec.max_position_embeddings} positions"
         )
-    if config.quantization == "int8" and device.type != "cpu":
-        raise ValueError(f"quantization: 'int8' runs on the CPU only, not on {device.type}")
+    if config.quantization != "none" and device.type != "cpu":
+        raise ValueError(f"quantization: {config.quantization!r} runs on the CPU only, not on {device.type}")
     model = _instantiate(spec, max_len, device, dtype)
     load_weights(model, iter_safetensors(weights_dir))
-    if config.quantization == "int8":
-        quantize_model_int8(model)
+    if config.quantization != "none":
+        quantize_model_int8(model, w8a8=config.quantization == "w8a8")
     model.eval()
     return LoadedModel(
         model, tokenizer, spec, config.model or "gemma-3-270m", max_len, device, dtype, config.quantization

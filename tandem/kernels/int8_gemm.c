@@ -110,3 +110,112 @@ void tandem_dequant_i8(const int8_t *w, const float *scale, float *out, long n0,
         for (; k < K; k++) dst[k] = scale[n] * (float)src[k];
     }
 }
+
+/* --- int8 weights and int8 activations (w8a8) ------------------------------------------------
+ *
+ *   y[m, n] = scale[n] * sum_b xs[m, b] * sum_{k in block b} xq[m, k] * w[n, k]
+ *
+ * Each input row is quantized on the fly, symmetric, one scale per block of QBLOCK values
+ * (xs[m, b] = max|x[m, block b]| / 127). Products of int8 pairs are summed exactly in integers
+ * (maddubs of |w| and x carrying w's sign, then pairs of int16 into int32); one float multiply-add
+ * per block applies the activation scale. Twice the multiply-adds of float32 per instruction, so
+ * prefill and large decode batches, which are bound by arithmetic, run faster; the cost is the
+ * activations' rounding (measured by benchmarks/quant_accuracy.py). Integer sums are exact, so
+ * results are independent of batch composition here too.
+ */
+#define QBLOCK 32
+
+/* x [M, K] float -> xq [M, K] int8 and xs [M, K / QBLOCK] float (K a multiple of QBLOCK). */
+static void quantize_rows_i8(const float *x, int8_t *xq, float *xs, long M, long K) {
+    long nb = K / QBLOCK;
+#pragma omp parallel for schedule(static)
+    for (long mb = 0; mb < M * nb; mb++) {
+        const float *src = x + mb * QBLOCK;
+        int8_t *dst = xq + mb * QBLOCK;
+        __m256 amax = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.0f);
+        for (int t = 0; t < QBLOCK; t += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(src + t)));
+        __m128 hi = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        hi = _mm_max_ps(hi, _mm_movehl_ps(hi, hi));
+        hi = _mm_max_ss(hi, _mm_movehdup_ps(hi));
+        float m = _mm_cvtss_f32(hi);
+        float d = m / 127.0f;
+        xs[mb] = d;
+        __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+        for (int t = 0; t < QBLOCK; t += 8) {
+            __m256i q = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(src + t), inv),
+                                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+            _mm_storel_epi64((__m128i *)(dst + t), _mm_packs_epi16(p16, p16));
+        }
+    }
+}
+
+static inline __m256i dot_i8(__m256i wabs, __m256i x_signed_by_w) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, x_signed_by_w), _mm256_set1_epi16(1));
+}
+
+#define DEFINE_QBLOCK(MR, NR)                                                                       \
+    static void qblock_##MR##x##NR(const int8_t *xq, const float *xs, const int8_t *const *w, long K, \
+                                   float *out) {                                                    \
+        __m256 a[MR][NR];                                                                           \
+        long nb = K / QBLOCK;                                                                       \
+        for (int i = 0; i < MR; i++)                                                                \
+            for (int j = 0; j < NR; j++) a[i][j] = _mm256_setzero_ps();                             \
+        for (long b = 0; b < nb; b++) {                                                             \
+            long k = b * QBLOCK;                                                                    \
+            for (int p = 0; p < NR * QBLOCK; p += 64)                                               \
+                _mm_prefetch((const char *)(w[0] + PREFETCH_BYTES + k * NR + p), _MM_HINT_T0);      \
+            __m256i wv[NR], wa[NR];                                                                 \
+            for (int j = 0; j < NR; j++) {                                                          \
+                wv[j] = _mm256_loadu_si256((const __m256i *)(w[j] + k));                            \
+                wa[j] = _mm256_abs_epi8(wv[j]);                                                     \
+            }                                                                                       \
+            for (int i = 0; i < MR; i++) {                                                          \
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + i * K + k));                 \
+                __m256 d = _mm256_broadcast_ss(xs + i * nb + b);                                    \
+                for (int j = 0; j < NR; j++) {                                                      \
+                    __m256i p = dot_i8(wa[j], _mm256_sign_epi8(xv, wv[j]));                         \
+                    a[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, a[i][j]);                   \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        for (int i = 0; i < MR; i++)                                                                \
+            for (int j = 0; j < NR; j++) out[i * NR + j] = hsum(a[i][j]);                           \
+    }                                                                                               \
+                                                                                                    \
+    static void qtile_##MR##x##NR(const int8_t *xq, const float *xs, const int8_t *w, const float *scale, \
+                                  float *y, long m0, long n0, long n1, long N, long K) {            \
+        long nb = K / QBLOCK;                                                                       \
+        for (long n = n0; n < n1; n += NR) {                                                        \
+            const int8_t *wp[NR];                                                                   \
+            for (int j = 0; j < NR; j++) wp[j] = w + (n + j < n1 ? n + j : n1 - 1) * K;             \
+            float out[MR * NR];                                                                     \
+            qblock_##MR##x##NR(xq + m0 * K, xs + m0 * nb, wp, K, out);                              \
+            for (int i = 0; i < MR; i++)                                                            \
+                for (int j = 0; j < NR && n + j < n1; j++)                                          \
+                    y[(m0 + i) * N + n + j] = out[i * NR + j] * scale[n + j];                       \
+        }                                                                                           \
+    }
+
+DEFINE_QBLOCK(1, 4)
+DEFINE_QBLOCK(2, 4)
+DEFINE_QBLOCK(3, 4)
+DEFINE_QBLOCK(4, 2)
+
+/* K must be a multiple of QBLOCK; xq (M * K bytes) and xs (M * K / QBLOCK floats) are scratch. */
+void tandem_gemm_w8a8(const float *x, const int8_t *w, const float *scale, float *y, long M, long N, long K,
+                      int8_t *xq, float *xs) {
+    quantize_rows_i8(x, xq, xs, M, K);
+    long tiles = (N + TILE_N - 1) / TILE_N;
+#pragma omp parallel for schedule(static)
+    for (long t = 0; t < tiles; t++) {
+        long n0 = t * TILE_N, n1 = n0 + TILE_N < N ? n0 + TILE_N : N;
+        long m = 0;
+        for (; m + 4 <= M; m += 4) qtile_4x2(xq, xs, w, scale, y, m, n0, n1, N, K);
+        switch (M - m) {
+            case 3: qtile_3x4(xq, xs, w, scale, y, m, n0, n1, N, K); break;
+            case 2: qtile_2x4(xq, xs, w, scale, y, m, n0, n1, N, K); break;
+            case 1: qtile_1x4(xq, xs, w, scale, y, m, n0, n1, N, K); break;
+        }
+    }
+}

@@ -76,6 +76,8 @@ def _library() -> ctypes.CDLL | None:
     ptr, size = ctypes.c_void_p, ctypes.c_long
     lib.tandem_gemm_i8.argtypes = [ptr, ptr, ptr, ptr, size, size, size]
     lib.tandem_gemm_i8.restype = None
+    lib.tandem_gemm_w8a8.argtypes = [ptr, ptr, ptr, ptr, size, size, size, ptr, ptr]
+    lib.tandem_gemm_w8a8.restype = None
     lib.tandem_dequant_i8.argtypes = [ptr, ptr, ptr, size, size, size]
     lib.tandem_dequant_i8.restype = None
     return lib
@@ -92,6 +94,21 @@ def gemm_i8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     lib.tandem_gemm_i8(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k)
+    return y
+
+
+def gemm_w8a8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """As ``gemm_i8`` with ``x`` rounded to int8 per block of 32 values (K a multiple of 32)."""
+    lib = _library()
+    m, k = x.shape
+    n = weight.shape[0]
+    if k % 32:
+        raise ValueError(f"gemm_w8a8: K must be a multiple of 32, got {k}")
+    y = torch.empty(m, n, dtype=torch.float32)
+    xq = torch.empty(m, k, dtype=torch.int8)
+    xs = torch.empty(m, k // 32, dtype=torch.float32)
+    lib.tandem_gemm_w8a8(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k,
+                         xq.data_ptr(), xs.data_ptr())
     return y
 
 
