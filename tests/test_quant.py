@@ -228,6 +228,7 @@ def test_native_build_is_cached_and_reports_compiler_errors(tmp_path):
     src = tmp_path / "k.c"
     src.write_text("int tandem_answer(void) { return 42; }\n")
     first = native.build(src, tmp_path / "out")
+    assert first.name.startswith("k-")
     assert native.build(src, tmp_path / "out") == first  # the same source is not compiled again
     src.write_text("int tandem_answer(void) { return 42 }\n")
     with pytest.raises(RuntimeError, match="compiling k.c failed"):

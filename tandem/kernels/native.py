@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("tandem.kernels")
-SOURCE = Path(__file__).with_name("int8_gemm.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("int8_gemm.c", "cpu_ops.c"))
+LIBRARY = "tandem_kernels"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -39,14 +40,18 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def build(source: Path = SOURCE, out_dir: Path | None = None) -> Path:
-    """Compile ``source`` unless a library for its exact text and flags is already cached."""
+def build(sources: Path | tuple[Path, ...] = SOURCES, out_dir: Path | None = None, name: str | None = None) -> Path:
+    """Compile ``sources`` into one shared library unless one for their exact text and flags is
+    already cached."""
+    sources = (sources,) if isinstance(sources, Path) else tuple(sources)
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
-    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    text = b"".join(src.read_bytes() for src in sources)
+    digest = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:16]
     out_dir = out_dir or _cache_dir()
-    lib = out_dir / f"{source.stem}-{digest}.so"
+    name = name or (LIBRARY if len(sources) > 1 else sources[0].stem)
+    lib = out_dir / f"{name}-{digest}.so"
     if lib.is_file():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -54,9 +59,10 @@ def build(source: Path = SOURCE, out_dir: Path | None = None) -> Path:
     # a half-written library behind.
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         partial = Path(tmp) / lib.name
-        done = subprocess.run([cc, *FLAGS, str(source), "-o", str(partial)], capture_output=True, text=True)
+        done = subprocess.run([cc, *FLAGS, *map(str, sources), "-o", str(partial)], capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"compiling {source.name} failed:\n{done.stderr.strip()}")
+            names = ", ".join(src.name for src in sources)
+            raise RuntimeError(f"compiling {names} failed:\n{done.stderr.strip()}")
         os.replace(partial, lib)
     return lib
 
@@ -80,6 +86,12 @@ def _library() -> ctypes.CDLL | None:
     lib.tandem_gemm_w8a8.restype = None
     lib.tandem_dequant_i8.argtypes = [ptr, ptr, ptr, size, size, size]
     lib.tandem_dequant_i8.restype = None
+    lib.tandem_rms_norm.argtypes = [ptr, ptr, ptr, size, size, ctypes.c_float, ctypes.c_float]
+    lib.tandem_rms_norm.restype = None
+    lib.tandem_act_mul.argtypes = [ptr, ptr, size, size, ctypes.c_int]
+    lib.tandem_act_mul.restype = None
+    lib.tandem_argmax_rows.argtypes = [ptr, ptr, size, size]
+    lib.tandem_argmax_rows.restype = None
     return lib
 
 
@@ -117,3 +129,37 @@ def dequant_i8(weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, n0:
     lib = _library()
     lib.tandem_dequant_i8(weight.data_ptr(), scale.data_ptr(), out.data_ptr(), n0, n1, weight.shape[1])
     return out[: n1 - n0]
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the float32 kernels below can take these tensors: kernels built, every tensor a
+    contiguous float32 CPU tensor."""
+    return available() and all(
+        t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    """RMS norm over the last dimension, times ``offset + weight``; see ``usable``."""
+    out = torch.empty_like(x)
+    d = x.shape[-1]
+    _library().tandem_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // d, d, eps, offset)
+    return out
+
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
+def act_mul(gate_up: torch.Tensor, kind: str) -> torch.Tensor:
+    """``act(gate) * up`` for ``gate_up`` [..., 2 * I] holding gate then up; see ``usable``."""
+    i = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], i)
+    _library().tandem_act_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * i), i, ACTIVATIONS[kind])
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Index of each row's largest value (first on ties) for a float32 [rows, N] tensor."""
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _library().tandem_argmax_rows(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1])
+    return out

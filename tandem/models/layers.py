@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels import native
 from tandem.models.spec import ModelSpec, RopeSpec
 from tandem.runner.attention import AttentionMetadata, paged_attention
 
@@ -38,6 +39,8 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and native.usable(self.weight):
+            return native.rms_norm(x.contiguous(), self.weight, self.eps, 1.0 if self.unit_offset else 0.0)
         shape = (x.shape[-1],)
         if self.unit_offset:
             return F.rms_norm(x.float(), shape, 1.0 + self.weight.float(), self.eps).to(x.dtype)
@@ -101,6 +104,8 @@ _ACTIVATIONS = {
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
 }
+# The activations the fused CPU kernel computes (tandem.kernels.native.act_mul), by their name there.
+_NATIVE_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
 class MergedLinear(nn.Linear):
@@ -132,9 +137,13 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = MergedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate}, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.act = _ACTIVATIONS[act]
+        self.native_act = _NATIVE_ACTIVATIONS.get(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.native_act is not None and native.usable(gate_up):
+            return self.down_proj(native.act_mul(gate_up, self.native_act))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from tandem.core.request import SamplingParams, TokenLogprob
+from tandem.kernels import native
 
 
 class Sampler:
@@ -39,7 +40,7 @@ class Sampler:
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """``logits``: float32 [n, vocab] -> one token id (and optional logprobs) per row."""
         n = logits.shape[0]
-        chosen = logits.argmax(dim=-1)
+        chosen = native.argmax_rows(logits) if native.usable(logits) else logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             idx = torch.tensor(random_rows, device=logits.device)

@@ -1,0 +1,131 @@
+/* Small fused float32 operations for the CPU forward pass (AVX2 + FMA).
+ *
+ * Each of these is several torch operators in a row, each of which reads and writes the whole
+ * tensor and pays its own dispatch: an RMS norm is seven of them, a gated activation four, and
+ * in a decode step of a small model that overhead, not the arithmetic, is most of their time.
+ * One pass each here. Rows are split across OpenMP threads only when there is enough work to pay
+ * for waking them. Built and loaded by tandem/kernels/native.py.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#define PARALLEL_MIN_ELEMENTS 32768
+
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+/* out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * (offset + w), rows of length D.
+ * offset is 1 for Gemma's norms (weights stored as w - 1) and 0 otherwise. out may alias x. */
+void tandem_rms_norm(const float *x, const float *w, float *out, long rows, long D, float eps, float offset) {
+#pragma omp parallel for schedule(static) if (rows * D >= PARALLEL_MIN_ELEMENTS)
+    for (long r = 0; r < rows; r++) {
+        const float *xr = x + r * D;
+        float *yr = out + r * D;
+        __m256 acc = _mm256_setzero_ps();
+        long k = 0;
+        for (; k + 8 <= D; k += 8) {
+            __m256 v = _mm256_loadu_ps(xr + k);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float ss = hsum8(acc);
+        for (; k < D; k++) ss += xr[k] * xr[k];
+        float inv = 1.0f / sqrtf(ss / (float)D + eps);
+        __m256 vinv = _mm256_set1_ps(inv), voff = _mm256_set1_ps(offset);
+        for (k = 0; k + 8 <= D; k += 8) {
+            __m256 g = _mm256_add_ps(voff, _mm256_loadu_ps(w + k));
+            _mm256_storeu_ps(yr + k, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + k), vinv), g));
+        }
+        for (; k < D; k++) yr[k] = xr[k] * inv * (offset + w[k]);
+    }
+}
+
+/* exp(x) for float32 lanes: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6 polynomial,
+ * 2^n added to the exponent bits. Relative error about 2e-7; inputs clamped to [-87, 88]. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* x * sigmoid(a * x + b * x^3): SiLU with a = 1, b = 0; GELU (tanh form) with
+ * a = 2 sqrt(2 / pi), b = a * 0.044715, since 0.5 (1 + tanh(u)) = sigmoid(2u). */
+static inline __m256 gated8(__m256 x, __m256 a, __m256 b) {
+    __m256 x2 = _mm256_mul_ps(x, x);
+    __m256 z = _mm256_mul_ps(x, _mm256_fmadd_ps(b, x2, a));
+    __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), z)));
+    return _mm256_div_ps(x, den);
+}
+
+static inline float gated1(float x, float a, float b) {
+    float z = x * (a + b * x * x);
+    return x / (1.0f + expf(-z));
+}
+
+/* gate_up: [rows, 2 * I] (gate in the first half of each row, up in the second);
+ * out[r, i] = act(gate[r, i]) * up[r, i]. kind 0: SiLU, 1: GELU (tanh form). */
+void tandem_act_mul(const float *gate_up, float *out, long rows, long I, int kind) {
+    float a = kind == 0 ? 1.0f : 1.5957691216057308f;  /* 2 sqrt(2 / pi) */
+    float b = kind == 0 ? 0.0f : 1.5957691216057308f * 0.044715f;
+    __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
+#pragma omp parallel for schedule(static) if (rows * I >= PARALLEL_MIN_ELEMENTS)
+    for (long r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * I, *u = g + I;
+        float *o = out + r * I;
+        long k = 0;
+        for (; k + 8 <= I; k += 8)
+            _mm256_storeu_ps(o + k, _mm256_mul_ps(gated8(_mm256_loadu_ps(g + k), va, vb), _mm256_loadu_ps(u + k)));
+        for (; k < I; k++) o[k] = gated1(g[k], a, b) * u[k];
+    }
+}
+
+/* out[r] = index of the largest value of row r (the first one on ties); NaNs are never chosen. */
+void tandem_argmax_rows(const float *x, int64_t *out, long rows, long N) {
+#pragma omp parallel for schedule(static) if (rows * N >= 4 * PARALLEL_MIN_ELEMENTS)
+    for (long r = 0; r < rows; r++) {
+        const float *xr = x + r * N;
+        __m256 best = _mm256_set1_ps(-INFINITY);
+        __m256i best_i = _mm256_set1_epi32(-1);
+        __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), step = _mm256_set1_epi32(8);
+        long k = 0;
+        for (; k + 8 <= N; k += 8) {
+            __m256 v = _mm256_loadu_ps(xr + k);
+            __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);  /* strict: the first index stays */
+            best = _mm256_blendv_ps(best, v, gt);
+            best_i = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(best_i), _mm256_castsi256_ps(idx), gt));
+            idx = _mm256_add_epi32(idx, step);
+        }
+        float bv[8];
+        int32_t bi[8];
+        _mm256_storeu_ps(bv, best);
+        _mm256_storeu_si256((__m256i *)bi, best_i);
+        float m = -INFINITY;
+        long arg = -1;
+        for (int l = 0; l < 8; l++)
+            if (bi[l] >= 0 && (bv[l] > m || (bv[l] == m && bi[l] < arg))) {
+                m = bv[l];
+                arg = bi[l];
+            }
+        for (; k < N; k++)
+            if (xr[k] > m) {
+                m = xr[k];
+                arg = k;
+            }
+        out[r] = arg < 0 ? 0 : arg;
+    }
+}
