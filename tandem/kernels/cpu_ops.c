@@ -6,18 +6,12 @@
  * One pass each here. Rows are split across OpenMP threads only when there is enough work to pay
  * for waking them. Built and loaded by tandem/kernels/native.py.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
-#define PARALLEL_MIN_ELEMENTS 32768
+#include "simd.h"
 
-static inline float hsum8(__m256 v) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
+#define PARALLEL_MIN_ELEMENTS 32768
 
 /* out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * (offset + w), rows of length D.
  * offset is 1 for Gemma's norms (weights stored as w - 1) and 0 otherwise. out may alias x. */
@@ -42,25 +36,6 @@ void tandem_rms_norm(const float *x, const float *w, float *out, long rows, long
         }
         for (; k < D; k++) yr[k] = xr[k] * inv * (offset + w[k]);
     }
-}
-
-/* exp(x) for float32 lanes: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6 polynomial,
- * 2^n added to the exponent bits. Relative error about 2e-7; inputs clamped to [-87, 88]. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
 /* x * sigmoid(a * x + b * x^3): SiLU with a = 1, b = 0; GELU (tanh form) with

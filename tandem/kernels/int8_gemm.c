@@ -17,8 +17,9 @@
  * rows while the inputs stay in L1 and the tile's weights in L2. Built and loaded by
  * tandem/kernels/native.py.
  */
-#include <immintrin.h>
 #include <stdint.h>
+
+#include "simd.h"
 
 #define TILE_N 64
 /* The NR weight rows of a block are contiguous; each step over k consumes NR * 8 bytes of them,
@@ -26,13 +27,6 @@
  * hardware prefetcher to ramp up on its own: without this, decode reads weights from memory at
  * a third of the bandwidth. */
 #define PREFETCH_BYTES 4096
-
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
 
 static inline __m256 widen8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
@@ -57,7 +51,7 @@ static inline __m256 widen8(const int8_t *p) {
         }                                                                                           \
         for (int i = 0; i < MR; i++)                                                                \
             for (int j = 0; j < NR; j++) {                                                          \
-                float s = hsum(a[i][j]);                                                            \
+                float s = hsum8(a[i][j]);                                                            \
                 for (long t = k; t < K; t++) s += x[i * K + t] * (float)w[j][t];                    \
                 out[i * NR + j] = s;                                                                \
             }                                                                                       \
@@ -180,7 +174,7 @@ static inline __m256i dot_i8(__m256i wabs, __m256i x_signed_by_w) {
             }                                                                                       \
         }                                                                                           \
         for (int i = 0; i < MR; i++)                                                                \
-            for (int j = 0; j < NR; j++) out[i * NR + j] = hsum(a[i][j]);                           \
+            for (int j = 0; j < NR; j++) out[i * NR + j] = hsum8(a[i][j]);                           \
     }                                                                                               \
                                                                                                     \
     static void qtile_##MR##x##NR(const int8_t *xq, const float *xs, const int8_t *w, const float *scale, \

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("tandem.kernels")
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("int8_gemm.c", "cpu_ops.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("int8_gemm.c", "cpu_ops.c", "decode_attention.c"))
 LIBRARY = "tandem_kernels"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
@@ -47,7 +47,8 @@ def build(sources: Path | tuple[Path, ...] = SOURCES, out_dir: Path | None = Non
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
-    text = b"".join(src.read_bytes() for src in sources)
+    headers = sorted({h for src in sources for h in src.parent.glob("*.h")})
+    text = b"".join(f.read_bytes() for f in (*sources, *headers))
     digest = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:16]
     out_dir = out_dir or _cache_dir()
     name = name or (LIBRARY if len(sources) > 1 else sources[0].stem)
@@ -92,6 +93,9 @@ def _library() -> ctypes.CDLL | None:
     lib.tandem_act_mul.restype = None
     lib.tandem_argmax_rows.argtypes = [ptr, ptr, size, size]
     lib.tandem_argmax_rows.restype = None
+    lib.tandem_decode_attention.argtypes = [ptr, ptr, ptr, ptr, size, ptr, ptr, ptr, size, size, size, size, size,
+                                            size, ctypes.c_float]
+    lib.tandem_decode_attention.restype = ctypes.c_int
     return lib
 
 
@@ -163,3 +167,29 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     _library().tandem_argmax_rows(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1])
     return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    rows: torch.Tensor,
+    out: torch.Tensor,
+    block_size: int,
+    window: int,
+    scale: float,
+) -> None:
+    """One query per sequence against its keys in the paged cache, written into ``out``.
+
+    ``q``/``out``: [T, H, D]; caches: [slots, KVH, D]; ``block_tables`` [S, B], ``context_lens``
+    [S] and ``rows`` [S] (each sequence's token row in ``q``) int64; ``window`` 0 for none."""
+    s, b = block_tables.shape
+    _, h, d = q.shape
+    status = _library().tandem_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), b, context_lens.data_ptr(),
+        rows.data_ptr(), out.data_ptr(), s, h, k_cache.shape[1], d, block_size, window, scale,
+    )
+    if status != 0:
+        raise MemoryError("decode attention: scratch allocation failed")

@@ -5,7 +5,9 @@ metadata built once per step (``AttentionMetadata``) maps them into padded per-s
 (decodes in one group, prompt chunks in another, so a long chunk does not pad every decode to
 its length) and gathers each sequence's keys through its block table. Masks encode causality,
 each sequence's context length and, for sliding-window layers, the window. No Python loop runs
-over sequences inside the forward pass.
+over sequences inside the forward pass. On the CPU in float32, the decode group (one query per
+sequence) instead runs a kernel that reads keys and values through the block tables directly
+(``tandem/kernels/decode_attention.c``), with no gathered copy and no mask.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from tandem.kernels import native
 
 
 @dataclass
@@ -25,6 +29,8 @@ class AttentionGroup:
     mask_sliding: torch.Tensor | None  # same, with the sliding window applied
     out_index: torch.Tensor  # [n_valid] flat token index of each valid (sequence, query) slot
     valid_rows: torch.Tensor | None  # [n_valid] position of each valid slot in [S * Q]; None: all valid
+    block_tables: torch.Tensor  # [S, num_blocks] int64, cache block of each sequence's positions
+    context_lens: torch.Tensor  # [S] int64, keys each sequence attends to (start + its tokens)
 
 
 @dataclass
@@ -32,6 +38,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot each new token's K/V is written to
     groups: list[AttentionGroup]
     num_tokens: int
+    block_size: int
+    sliding_window: int | None
 
 
 def build_metadata(
@@ -60,6 +68,8 @@ def build_metadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
         groups=groups,
         num_tokens=offset,
+        block_size=block_size,
+        sliding_window=sliding_window,
     )
 
 
@@ -103,6 +113,8 @@ def _group(
         mask_sliding=mask_sliding,
         out_index=token_index[valid].to(device),
         valid_rows=None if all_valid else valid.reshape(-1).nonzero().squeeze(1).to(device),
+        block_tables=tables.to(device),
+        context_lens=(starts + lens).to(device),
     )
 
 
@@ -120,8 +132,13 @@ def paged_attention(
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = q.new_empty(q.shape)
     for g in meta.groups:
-        # index_select copies rows several times faster than advanced indexing on the CPU.
         s, n_q = g.valid.shape
+        if n_q == 1 and native.usable(q, k_cache, v_cache):
+            window = meta.sliding_window if sliding and meta.sliding_window else 0
+            native.decode_attention(q, k_cache, v_cache, g.block_tables, g.context_lens, g.token_index, out,
+                                    meta.block_size, window, scale)
+            continue
+        # index_select copies rows several times faster than advanced indexing on the CPU.
         n_k = g.kv_slots.shape[1]
         slots = g.kv_slots.reshape(-1)
         qg = q.index_select(0, g.token_index).view(s, n_q, *q.shape[1:]).transpose(1, 2)  # [S, H, Q, D]
