@@ -63,3 +63,33 @@ def test_usable_only_for_contiguous_float32_cpu_tensors():
     assert not native.usable(x.t())
     assert not native.usable(x.double())
     assert not native.usable(x, x.bfloat16())
+
+
+@pytest.mark.parametrize("with_norm, offset", [(False, 0.0), (True, 0.0), (True, 1.0)])
+@pytest.mark.parametrize("t", [1, 5, 300])
+def test_qkv_to_cache_matches_norm_rope_and_cache_write(with_norm, offset, t):
+    """The fused q/k norm + rotary + cache write against the same steps in torch."""
+    from tandem.models.layers import _rotate_half
+
+    torch.manual_seed(t)
+    h, kvh, d, slots = 4, 2, 16, 700
+    qkv = torch.randn(t, (h + 2 * kvh) * d) * 3
+    qw, kw = (torch.randn(d) if with_norm else None for _ in range(2))
+    angles = torch.rand(t, d // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    where = torch.randperm(slots)[:t]
+    k_cache, v_cache = torch.zeros(slots, kvh, d), torch.zeros(slots, kvh, d)
+    q = native.qkv_to_cache(qkv, h, qw, kw, 1e-6, offset, cos, sin, where, k_cache, v_cache)
+
+    wq, wk, wv = qkv.split((h * d, kvh * d, kvh * d), dim=-1)
+    wq, wk, wv = wq.view(t, h, d), wk.view(t, kvh, d), wv.view(t, kvh, d)
+    if with_norm:
+        wq, wk = F.rms_norm(wq, (d,), offset + qw, 1e-6), F.rms_norm(wk, (d,), offset + kw, 1e-6)
+    c, s = cos[:, None], sin[:, None]
+    wq, wk = wq * c + _rotate_half(wq) * s, wk * c + _rotate_half(wk) * s
+    torch.testing.assert_close(q, wq, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_cache[where], wk, atol=1e-5, rtol=1e-5)
+    assert torch.equal(v_cache[where], wv)
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[where] = False
+    assert torch.all(k_cache[untouched] == 0) and torch.all(v_cache[untouched] == 0)

@@ -11,7 +11,7 @@ import torch
 
 from tandem.kernels import native
 from tandem.runner import attention
-from tandem.runner.attention import build_metadata, paged_attention
+from tandem.runner.attention import build_metadata, paged_attention, write_kv
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler or no AVX2 on this CPU")
 
@@ -80,9 +80,10 @@ def test_paged_attention_kernel_equals_gather_path(monkeypatch, sliding):
     q, k, v = (torch.randn(t, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
     meta = build_metadata([(s, n, tables[i]) for i, (s, n) in enumerate(seqs_ctx)], BLOCK, window,
                           torch.device("cpu"))
-    got = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.3, sliding)
+    write_kv(k, v, k_cache, v_cache, meta)
+    got = paged_attention(q, k_cache, v_cache, meta, 0.3, sliding)
     monkeypatch.setattr(attention.native, "usable", lambda *tensors: False)
-    want = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.3, sliding)
+    want = paged_attention(q, k_cache, v_cache, meta, 0.3, sliding)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 

@@ -104,3 +104,49 @@ void tandem_argmax_rows(const float *x, int64_t *out, long rows, long N) {
         out[r] = arg < 0 ? 0 : arg;
     }
 }
+
+/* One head's row: optional RMS norm times (offset + w), then rotate-half rotary embedding with
+ * this token's cos/sin rows, written to dst. src and dst do not overlap. */
+static void norm_rope_row(const float *src, float *dst, long D, const float *w, float eps, float offset,
+                          const float *cos, const float *sin) {
+    float tmp[D];
+    float inv = 1.0f;
+    if (w != NULL) {
+        __m256 acc = _mm256_setzero_ps();
+        long k = 0;
+        for (; k + 8 <= D; k += 8) {
+            __m256 v = _mm256_loadu_ps(src + k);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float ss = hsum8(acc);
+        for (; k < D; k++) ss += src[k] * src[k];
+        inv = 1.0f / sqrtf(ss / (float)D + eps);
+        for (k = 0; k < D; k++) tmp[k] = src[k] * inv * (offset + w[k]);
+    } else {
+        for (long k = 0; k < D; k++) tmp[k] = src[k];
+    }
+    long half = D / 2;
+    for (long k = 0; k < half; k++) dst[k] = tmp[k] * cos[k] - tmp[k + half] * sin[k];
+    for (long k = half; k < D; k++) dst[k] = tmp[k] * cos[k] + tmp[k - half] * sin[k];
+}
+
+/* The merged q/k/v projection's output [T, (H + 2 KVH) * D] made ready for attention in one pass:
+ * q heads normed (q_w, or none when NULL) and rotated into q_out [T, H, D]; k heads normed
+ * (k_w) and rotated, and v heads copied, straight into the cache rows slots[t] of
+ * k_cache/v_cache [slots, KVH, D]. cos/sin: [T, D], the rows of each token's position. */
+void tandem_qkv_to_cache(const float *qkv, long T, long H, long KVH, long D, const float *q_w, const float *k_w,
+                         float eps, float offset, const float *cos, const float *sin, const int64_t *slots,
+                         float *q_out, float *k_cache, float *v_cache) {
+    long width = (H + 2 * KVH) * D;
+#pragma omp parallel for schedule(static) if (T * width >= PARALLEL_MIN_ELEMENTS)
+    for (long t = 0; t < T; t++) {
+        const float *row = qkv + t * width, *c = cos + t * D, *s = sin + t * D;
+        for (long h = 0; h < H; h++) norm_rope_row(row + h * D, q_out + (t * H + h) * D, D, q_w, eps, offset, c, s);
+        for (long g = 0; g < KVH; g++) {
+            norm_rope_row(row + (H + g) * D, k_cache + (slots[t] * KVH + g) * D, D, k_w, eps, offset, c, s);
+            const float *v = row + (H + KVH + g) * D;
+            float *dst = v_cache + (slots[t] * KVH + g) * D;
+            for (long k = 0; k < D; k++) dst[k] = v[k];
+        }
+    }
+}

@@ -93,6 +93,9 @@ def _library() -> ctypes.CDLL | None:
     lib.tandem_act_mul.restype = None
     lib.tandem_argmax_rows.argtypes = [ptr, ptr, size, size]
     lib.tandem_argmax_rows.restype = None
+    lib.tandem_qkv_to_cache.argtypes = [ptr, size, size, size, size, ptr, ptr, ctypes.c_float, ctypes.c_float, ptr,
+                                        ptr, ptr, ptr, ptr, ptr]
+    lib.tandem_qkv_to_cache.restype = None
     lib.tandem_decode_attention.argtypes = [ptr, ptr, ptr, ptr, size, ptr, ptr, ptr, size, size, size, size, size,
                                             size, ctypes.c_float]
     lib.tandem_decode_attention.restype = ctypes.c_int
@@ -167,6 +170,34 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     _library().tandem_argmax_rows(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1])
     return out
+
+
+def qkv_to_cache(
+    qkv: torch.Tensor,
+    num_heads: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    offset: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor:
+    """Split the merged projection ``qkv`` [T, (H + 2 KVH) * D]: q and k RMS-normed (when the
+    weights are given) and rotated (``cos``/``sin`` [T, D]); k and v written to cache rows
+    ``slots`` of ``k_cache``/``v_cache`` [slots, KVH, D]. Returns q [T, H, D]."""
+    _, kvh, d = k_cache.shape
+    t = qkv.shape[0]
+    q = qkv.new_empty(t, num_heads, d)
+    none = None
+    _library().tandem_qkv_to_cache(
+        qkv.data_ptr(), t, num_heads, kvh, d, none if q_norm is None else q_norm.data_ptr(),
+        none if k_norm is None else k_norm.data_ptr(), eps, offset, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+    )
+    return q
 
 
 def decode_attention(

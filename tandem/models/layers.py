@@ -15,7 +15,7 @@ from torch import nn
 
 from tandem.kernels import native
 from tandem.models.spec import ModelSpec, RopeSpec
-from tandem.runner.attention import AttentionMetadata, paged_attention
+from tandem.runner.attention import AttentionMetadata, paged_attention, write_kv
 
 
 @dataclass
@@ -84,12 +84,16 @@ class RotaryEmbedding(nn.Module):
         self.cos = emb.cos().to(device)
         self.sin = emb.sin().to(device)
 
-    def forward(self, ctx: ForwardContext, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, ctx: ForwardContext, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin rows [T, D] of this step's positions, looked up once per step."""
         tables = ctx.rope.get(id(self))
         if tables is None:
             rows = (self.cos.index_select(0, ctx.positions), self.sin.index_select(0, ctx.positions))
-            tables = ctx.rope[id(self)] = tuple(t.to(q.dtype)[:, None, :] for t in rows)  # [T, 1, D]
-        cos, sin = tables
+            tables = ctx.rope[id(self)] = tuple(t.to(dtype).contiguous() for t in rows)
+        return tables
+
+    def forward(self, ctx: ForwardContext, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = (t[:, None, :] for t in self.tables(ctx, q.dtype))  # [T, 1, D]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -176,13 +180,27 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self._rotary[0](ctx, q, k)
-        cache = ctx.kv_cache[self.layer]
-        o = paged_attention(q, k, v, cache[0], cache[1], ctx.meta, self.scale, self.sliding)
+        qkv = self.qkv_proj(x)
+        k_cache, v_cache = ctx.kv_cache[self.layer]
+        rotary = self._rotary[0]
+        if native.usable(qkv, k_cache):
+            # One pass: q/k norms, rotary embedding, and k/v written into the cache.
+            cos, sin = rotary.tables(ctx, qkv.dtype)
+            qn, kn = self.q_norm, self.k_norm
+            q = native.qkv_to_cache(
+                qkv, self.num_heads,
+                None if qn is None else qn.weight, None if kn is None else kn.weight,
+                0.0 if qn is None else qn.eps, 1.0 if qn is not None and qn.unit_offset else 0.0,
+                cos, sin, ctx.meta.slot_mapping, k_cache, v_cache,
+            )
+        else:
+            q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+            q = q.view(t, self.num_heads, self.head_dim)
+            k = k.view(t, self.num_kv_heads, self.head_dim)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = rotary(ctx, q, k)
+            write_kv(k, v, k_cache, v_cache, ctx.meta)
+        o = paged_attention(q, k_cache, v_cache, ctx.meta, self.scale, self.sliding)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))

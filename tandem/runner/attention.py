@@ -118,18 +118,21 @@ def _group(
     )
 
 
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    """The step's new keys and values ([T, KVH, D]) into their cache slots."""
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
-    k: torch.Tensor,  # [T, KVH, D]
-    v: torch.Tensor,  # [T, KVH, D]
-    k_cache: torch.Tensor,  # [num_slots, KVH, D]
+    k_cache: torch.Tensor,  # [num_slots, KVH, D], this step's keys already written (write_kv)
     v_cache: torch.Tensor,  # [num_slots, KVH, D]
     meta: AttentionMetadata,
     scale: float,
     sliding: bool,
 ) -> torch.Tensor:
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
     out = q.new_empty(q.shape)
     for g in meta.groups:
         s, n_q = g.valid.shape
