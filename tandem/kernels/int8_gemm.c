@@ -122,7 +122,8 @@ void tandem_dequant_i8(const int8_t *w, const float *scale, float *out, long n0,
 /* x [M, K] float -> xq [M, K] int8 and xs [M, K / QBLOCK] float (K a multiple of QBLOCK). */
 static void quantize_rows_i8(const float *x, int8_t *xq, float *xs, long M, long K) {
     long nb = K / QBLOCK;
-#pragma omp parallel for schedule(static)
+    /* A decode step's few rows are quicker to do here than to hand to the threads. */
+#pragma omp parallel for schedule(static) if (M * K >= 16384)
     for (long mb = 0; mb < M * nb; mb++) {
         const float *src = x + mb * QBLOCK;
         int8_t *dst = xq + mb * QBLOCK;
