@@ -43,25 +43,32 @@ def test_quantize_rows_error_is_half_a_step():
 
 @needs_kernel
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 32])
-@pytest.mark.parametrize("n, k", [(7, 20), (64, 64), (130, 200)])
-def test_kernel_matches_float_reference(m, n, k):
+@pytest.mark.parametrize("kind, n, k", [("int8", 7, 20), ("int8", 64, 64), ("int8", 130, 200),
+                                        ("w8a8", 7, 32), ("w8a8", 64, 64), ("w8a8", 130, 224)])
+def test_kernels_match_float_reference(m, kind, n, k):
+    """int8: float inputs times the dequantized weights; w8a8: the same with the inputs rounded
+    as ``quantize_activations`` rounds them (a first block of zeros included)."""
     torch.manual_seed(m * 1000 + n + k)
     q, s = quantize_rows(torch.randn(n, k))
     x = torch.randn(m, k)
-    got = native.gemm_i8(x, q, s)
-    want = x.double() @ dequantized(q, s).double().t()
+    x[0, :32] = 0.0
+    got = native.gemm_i8(x, q, s) if kind == "int8" else native.gemm_w8a8(x, q, s)
+    xr = x if kind == "int8" else quantize_activations(x)
+    want = xr.double() @ dequantized(q, s).double().t()
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
 
 
 @needs_kernel
-def test_kernel_rows_are_independent_of_batch_size():
+@pytest.mark.parametrize("kind", ["int8", "w8a8"])
+def test_kernel_rows_are_independent_of_batch_size(kind):
     """A row's result must not depend on which other rows share the call (batch invariance)."""
     torch.manual_seed(1)
-    q, s = quantize_rows(torch.randn(96, 136))
-    x = torch.randn(11, 136)
-    together = native.gemm_i8(x, q, s)
+    q, s = quantize_rows(torch.randn(96, 128))
+    x = torch.randn(11, 128)
+    gemm = native.gemm_i8 if kind == "int8" else native.gemm_w8a8
+    together = gemm(x, q, s)
     for i in range(11):
-        assert torch.equal(native.gemm_i8(x[i : i + 1].contiguous(), q, s)[0], together[i])
+        assert torch.equal(gemm(x[i : i + 1].contiguous(), q, s)[0], together[i])
 
 
 def test_quantize_activations_rounds_each_block_to_int8_steps():
@@ -77,29 +84,6 @@ def test_quantize_activations_rounds_each_block_to_int8_steps():
         assert int(steps.round().abs().max()) == 127 or bool((blk == 0).all())
         assert torch.all((out - blk).abs() <= d / 2 * (1 + 1e-5) + 1e-30)
     assert torch.all(got[1, 32:64] == 0)
-
-
-@needs_kernel
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 32])
-@pytest.mark.parametrize("n, k", [(7, 32), (64, 64), (130, 224)])
-def test_w8a8_kernel_matches_rounded_reference(m, n, k):
-    torch.manual_seed(m * 1000 + n + k)
-    q, s = quantize_rows(torch.randn(n, k))
-    x = torch.randn(m, k)
-    x[0, :32] = 0.0
-    got = native.gemm_w8a8(x, q, s)
-    want = quantize_activations(x).double() @ dequantized(q, s).double().t()
-    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
-
-
-@needs_kernel
-def test_w8a8_kernel_rows_are_independent_of_batch_size():
-    torch.manual_seed(5)
-    q, s = quantize_rows(torch.randn(96, 128))
-    x = torch.randn(11, 128)
-    together = native.gemm_w8a8(x, q, s)
-    for i in range(11):
-        assert torch.equal(native.gemm_w8a8(x[i : i + 1].contiguous(), q, s)[0], together[i])
 
 
 @pytest.mark.parametrize("k", [64, 48])  # 48: not a multiple of 32, rounded in torch on every path

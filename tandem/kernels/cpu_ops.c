@@ -13,6 +13,19 @@
 
 #define PARALLEL_MIN_ELEMENTS 32768
 
+/* 1 / sqrt(mean(x^2) + eps) over D values. */
+static inline float inv_rms(const float *x, long D, float eps) {
+    __m256 acc = _mm256_setzero_ps();
+    long k = 0;
+    for (; k + 8 <= D; k += 8) {
+        __m256 v = _mm256_loadu_ps(x + k);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float ss = hsum8(acc);
+    for (; k < D; k++) ss += x[k] * x[k];
+    return 1.0f / sqrtf(ss / (float)D + eps);
+}
+
 /* out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * (offset + w), rows of length D.
  * offset is 1 for Gemma's norms (weights stored as w - 1) and 0 otherwise. out may alias x. */
 void tandem_rms_norm(const float *x, const float *w, float *out, long rows, long D, float eps, float offset) {
@@ -20,17 +33,10 @@ void tandem_rms_norm(const float *x, const float *w, float *out, long rows, long
     for (long r = 0; r < rows; r++) {
         const float *xr = x + r * D;
         float *yr = out + r * D;
-        __m256 acc = _mm256_setzero_ps();
+        float inv = inv_rms(xr, D, eps);
+        __m256 vinv = _mm256_set1_ps(inv), voff = _mm256_set1_ps(offset);
         long k = 0;
         for (; k + 8 <= D; k += 8) {
-            __m256 v = _mm256_loadu_ps(xr + k);
-            acc = _mm256_fmadd_ps(v, v, acc);
-        }
-        float ss = hsum8(acc);
-        for (; k < D; k++) ss += xr[k] * xr[k];
-        float inv = 1.0f / sqrtf(ss / (float)D + eps);
-        __m256 vinv = _mm256_set1_ps(inv), voff = _mm256_set1_ps(offset);
-        for (k = 0; k + 8 <= D; k += 8) {
             __m256 g = _mm256_add_ps(voff, _mm256_loadu_ps(w + k));
             _mm256_storeu_ps(yr + k, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + k), vinv), g));
         }
@@ -112,16 +118,8 @@ static void norm_rope_row(const float *src, float *dst, long D, const float *w, 
     float tmp[D];
     float inv = 1.0f;
     if (w != NULL) {
-        __m256 acc = _mm256_setzero_ps();
-        long k = 0;
-        for (; k + 8 <= D; k += 8) {
-            __m256 v = _mm256_loadu_ps(src + k);
-            acc = _mm256_fmadd_ps(v, v, acc);
-        }
-        float ss = hsum8(acc);
-        for (; k < D; k++) ss += src[k] * src[k];
-        inv = 1.0f / sqrtf(ss / (float)D + eps);
-        for (k = 0; k < D; k++) tmp[k] = src[k] * inv * (offset + w[k]);
+        inv = inv_rms(src, D, eps);
+        for (long k = 0; k < D; k++) tmp[k] = src[k] * inv * (offset + w[k]);
     } else {
         for (long k = 0; k < D; k++) tmp[k] = src[k];
     }

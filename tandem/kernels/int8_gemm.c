@@ -32,10 +32,57 @@ static inline __m256 widen8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
+/* The input rows as each kind of block reads them: float32 rows (x), or int8 rows (xq) with one
+ * scale per QBLOCK values (xs). */
+typedef struct {
+    const float *x;
+    const int8_t *xq;
+    const float *xs;
+    long K;
+} Inputs;
+
+typedef void (*BlockFn)(const Inputs *in, long m0, const int8_t *const *w, float *out);
+
+/* Input rows m0 .. m0+MR against weight rows n0 .. n1 (a tile), NR at a time through `block`;
+ * the last group repeats row n1 - 1 where fewer than NR are left and drops those results. */
+static inline __attribute__((always_inline)) void tile(BlockFn block, const int MR, const int NR, const Inputs *in,
+                                                       const int8_t *w, const float *scale, float *y, long m0,
+                                                       long n0, long n1, long N) {
+    long K = in->K;
+    for (long n = n0; n < n1; n += NR) {
+        const int8_t *wp[8];
+        for (int j = 0; j < NR; j++) wp[j] = w + (n + j < n1 ? n + j : n1 - 1) * K;
+        float out[16];
+        block(in, m0, wp, out);
+        for (int i = 0; i < MR; i++)
+            for (int j = 0; j < NR && n + j < n1; j++) y[(m0 + i) * N + n + j] = out[i * NR + j] * scale[n + j];
+    }
+}
+
+/* Tiles of TILE_N weight rows across the threads; in each, blocks of 4 input rows (4x2), then the
+ * 1-3 rows left (1x4, 2x4, 3x4). blocks[r - 1] handles r rows. */
+static void run_tiles(const BlockFn blocks[4], const Inputs *in, const int8_t *w, const float *scale, float *y,
+                      long M, long N) {
+    long tiles = (N + TILE_N - 1) / TILE_N;
+#pragma omp parallel for schedule(static)
+    for (long t = 0; t < tiles; t++) {
+        long n0 = t * TILE_N, n1 = n0 + TILE_N < N ? n0 + TILE_N : N;
+        long m = 0;
+        for (; m + 4 <= M; m += 4) tile(blocks[3], 4, 2, in, w, scale, y, m, n0, n1, N);
+        switch (M - m) {
+            case 3: tile(blocks[2], 3, 4, in, w, scale, y, m, n0, n1, N); break;
+            case 2: tile(blocks[1], 2, 4, in, w, scale, y, m, n0, n1, N); break;
+            case 1: tile(blocks[0], 1, 4, in, w, scale, y, m, n0, n1, N); break;
+        }
+    }
+}
+
 /* MR input rows (x, row stride K) against NR weight rows w[0..NR): out[i * NR + j]. One function
  * per block shape, with fixed sizes, so the accumulators live in registers. */
 #define DEFINE_BLOCK(MR, NR)                                                                        \
-    static void block_##MR##x##NR(const float *x, const int8_t *const *w, long K, float *out) {     \
+    static void block_##MR##x##NR(const Inputs *in, long m0, const int8_t *const *w, float *out) {  \
+        long K = in->K;                                                                             \
+        const float *x = in->x + m0 * K;                                                            \
         __m256 a[MR][NR];                                                                           \
         for (int i = 0; i < MR; i++)                                                                \
             for (int j = 0; j < NR; j++) a[i][j] = _mm256_setzero_ps();                             \
@@ -51,25 +98,10 @@ static inline __m256 widen8(const int8_t *p) {
         }                                                                                           \
         for (int i = 0; i < MR; i++)                                                                \
             for (int j = 0; j < NR; j++) {                                                          \
-                float s = hsum8(a[i][j]);                                                            \
+                float s = hsum8(a[i][j]);                                                           \
                 for (long t = k; t < K; t++) s += x[i * K + t] * (float)w[j][t];                    \
                 out[i * NR + j] = s;                                                                \
             }                                                                                       \
-    }                                                                                               \
-                                                                                                    \
-    /* Input rows m0 .. m0+MR against weight rows n0 .. n1 (a tile), NR at a time; the last group \
-     * repeats row n1 - 1 where fewer than NR are left and drops those results. */                  \
-    static void tile_##MR##x##NR(const float *x, const int8_t *w, const float *scale, float *y,     \
-                                 long m0, long n0, long n1, long N, long K) {                       \
-        for (long n = n0; n < n1; n += NR) {                                                        \
-            const int8_t *wp[NR];                                                                   \
-            for (int j = 0; j < NR; j++) wp[j] = w + (n + j < n1 ? n + j : n1 - 1) * K;             \
-            float out[MR * NR];                                                                     \
-            block_##MR##x##NR(x + m0 * K, wp, K, out);                                              \
-            for (int i = 0; i < MR; i++)                                                            \
-                for (int j = 0; j < NR && n + j < n1; j++)                                          \
-                    y[(m0 + i) * N + n + j] = out[i * NR + j] * scale[n + j];                       \
-        }                                                                                           \
     }
 
 DEFINE_BLOCK(1, 4)
@@ -77,19 +109,11 @@ DEFINE_BLOCK(2, 4)
 DEFINE_BLOCK(3, 4)
 DEFINE_BLOCK(4, 2)
 
+static const BlockFn FLOAT_BLOCKS[4] = {block_1x4, block_2x4, block_3x4, block_4x2};
+
 void tandem_gemm_i8(const float *x, const int8_t *w, const float *scale, float *y, long M, long N, long K) {
-    long tiles = (N + TILE_N - 1) / TILE_N;
-#pragma omp parallel for schedule(static)
-    for (long t = 0; t < tiles; t++) {
-        long n0 = t * TILE_N, n1 = n0 + TILE_N < N ? n0 + TILE_N : N;
-        long m = 0;
-        for (; m + 4 <= M; m += 4) tile_4x2(x, w, scale, y, m, n0, n1, N, K);
-        switch (M - m) {
-            case 3: tile_3x4(x, w, scale, y, m, n0, n1, N, K); break;
-            case 2: tile_2x4(x, w, scale, y, m, n0, n1, N, K); break;
-            case 1: tile_1x4(x, w, scale, y, m, n0, n1, N, K); break;
-        }
-    }
+    Inputs in = {x, NULL, NULL, K};
+    run_tiles(FLOAT_BLOCKS, &in, w, scale, y, M, N);
 }
 
 /* out[n, k] = scale[n0 + n] * w[n0 + n, k] for n in [0, n1 - n0): float32 rows for a BLAS call. */
@@ -150,10 +174,11 @@ static inline __m256i dot_i8(__m256i wabs, __m256i x_signed_by_w) {
 }
 
 #define DEFINE_QBLOCK(MR, NR)                                                                       \
-    static void qblock_##MR##x##NR(const int8_t *xq, const float *xs, const int8_t *const *w, long K, \
-                                   float *out) {                                                    \
+    static void qblock_##MR##x##NR(const Inputs *in, long m0, const int8_t *const *w, float *out) { \
+        long K = in->K, nb = K / QBLOCK;                                                            \
+        const int8_t *xq = in->xq + m0 * K;                                                         \
+        const float *xs = in->xs + m0 * nb;                                                         \
         __m256 a[MR][NR];                                                                           \
-        long nb = K / QBLOCK;                                                                       \
         for (int i = 0; i < MR; i++)                                                                \
             for (int j = 0; j < NR; j++) a[i][j] = _mm256_setzero_ps();                             \
         for (long b = 0; b < nb; b++) {                                                             \
@@ -175,21 +200,7 @@ static inline __m256i dot_i8(__m256i wabs, __m256i x_signed_by_w) {
             }                                                                                       \
         }                                                                                           \
         for (int i = 0; i < MR; i++)                                                                \
-            for (int j = 0; j < NR; j++) out[i * NR + j] = hsum8(a[i][j]);                           \
-    }                                                                                               \
-                                                                                                    \
-    static void qtile_##MR##x##NR(const int8_t *xq, const float *xs, const int8_t *w, const float *scale, \
-                                  float *y, long m0, long n0, long n1, long N, long K) {            \
-        long nb = K / QBLOCK;                                                                       \
-        for (long n = n0; n < n1; n += NR) {                                                        \
-            const int8_t *wp[NR];                                                                   \
-            for (int j = 0; j < NR; j++) wp[j] = w + (n + j < n1 ? n + j : n1 - 1) * K;             \
-            float out[MR * NR];                                                                     \
-            qblock_##MR##x##NR(xq + m0 * K, xs + m0 * nb, wp, K, out);                              \
-            for (int i = 0; i < MR; i++)                                                            \
-                for (int j = 0; j < NR && n + j < n1; j++)                                          \
-                    y[(m0 + i) * N + n + j] = out[i * NR + j] * scale[n + j];                       \
-        }                                                                                           \
+            for (int j = 0; j < NR; j++) out[i * NR + j] = hsum8(a[i][j]);                          \
     }
 
 DEFINE_QBLOCK(1, 4)
@@ -197,20 +208,12 @@ DEFINE_QBLOCK(2, 4)
 DEFINE_QBLOCK(3, 4)
 DEFINE_QBLOCK(4, 2)
 
+static const BlockFn INT8_BLOCKS[4] = {qblock_1x4, qblock_2x4, qblock_3x4, qblock_4x2};
+
 /* K must be a multiple of QBLOCK; xq (M * K bytes) and xs (M * K / QBLOCK floats) are scratch. */
 void tandem_gemm_w8a8(const float *x, const int8_t *w, const float *scale, float *y, long M, long N, long K,
                       int8_t *xq, float *xs) {
     quantize_rows_i8(x, xq, xs, M, K);
-    long tiles = (N + TILE_N - 1) / TILE_N;
-#pragma omp parallel for schedule(static)
-    for (long t = 0; t < tiles; t++) {
-        long n0 = t * TILE_N, n1 = n0 + TILE_N < N ? n0 + TILE_N : N;
-        long m = 0;
-        for (; m + 4 <= M; m += 4) qtile_4x2(xq, xs, w, scale, y, m, n0, n1, N, K);
-        switch (M - m) {
-            case 3: qtile_3x4(xq, xs, w, scale, y, m, n0, n1, N, K); break;
-            case 2: qtile_2x4(xq, xs, w, scale, y, m, n0, n1, N, K); break;
-            case 1: qtile_1x4(xq, xs, w, scale, y, m, n0, n1, N, K); break;
-        }
-    }
+    Inputs in = {NULL, xq, xs, K};
+    run_tiles(INT8_BLOCKS, &in, w, scale, y, M, N);
 }
