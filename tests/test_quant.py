@@ -86,36 +86,24 @@ def test_quantize_activations_rounds_each_block_to_int8_steps():
     assert torch.all(got[1, 32:64] == 0)
 
 
-@pytest.mark.parametrize("k", [64, 48])  # 48: not a multiple of 32, rounded in torch on every path
+# int8 at 1 and 40 rows: the kernel's side and the blocked-BLAS side of the cut; w8a8 with K = 48,
+# not a multiple of 32, is rounded in torch on every path.
+@pytest.mark.parametrize("w8a8, m, k", [(False, 1, 48), (False, 40, 48), (True, 7, 64), (True, 7, 48)])
 @pytest.mark.parametrize("kernels", [True, False])
-def test_w8a8_matmul_paths_agree(monkeypatch, k, kernels):
+def test_int8_matmul_paths_agree(monkeypatch, w8a8, m, k, kernels):
     if kernels and not native.available():
         pytest.skip("no native kernel here")
     if not kernels:
         monkeypatch.setattr(native, "available", lambda: False)
-    torch.manual_seed(6)
-    q, s = quantize_rows(torch.randn(200, k))
-    x = torch.randn(2, 7, k)
-    got = int8_matmul(x, q, s, w8a8=True)
-    assert got.shape == (2, 7, 200)
-    want = quantize_activations(x.reshape(-1, k)) @ dequantized(q, s).t()
-    torch.testing.assert_close(got.reshape(-1, 200), want, atol=1e-4, rtol=1e-5)
-
-
-@pytest.mark.parametrize("m", [1, 40])  # the kernel's side and the blocked-BLAS side of the cut
-@pytest.mark.parametrize("kernels", [True, False])
-def test_int8_matmul_paths_agree(monkeypatch, m, kernels):
-    if kernels and not native.available():
-        pytest.skip("no native kernel here")
-    if not kernels:
-        monkeypatch.setattr(native, "available", lambda: False)
-    monkeypatch.setattr(quant, "DEQUANT_ELEMENTS", 64 * 48)  # several row blocks even for a small weight
+    monkeypatch.setattr(quant, "DEQUANT_ELEMENTS", 64 * k)  # several row blocks even for a small weight
     torch.manual_seed(2)
-    q, s = quantize_rows(torch.randn(200, 48))
-    x = torch.randn(3, m, 48)  # leading dimensions are kept
-    got = int8_matmul(x, q, s)
+    q, s = quantize_rows(torch.randn(200, k))
+    x = torch.randn(3, m, k)  # leading dimensions are kept
+    got = int8_matmul(x, q, s, w8a8=w8a8)
     assert got.shape == (3, m, 200)
-    torch.testing.assert_close(got, x @ dequantized(q, s).t(), atol=1e-4, rtol=1e-5)
+    x2 = x.reshape(-1, k)
+    want = (quantize_activations(x2) if w8a8 else x2) @ dequantized(q, s).t()
+    torch.testing.assert_close(got.reshape(-1, 200), want, atol=1e-4, rtol=1e-5)
 
 
 def test_int8_linear_keeps_bias_and_dtype():
