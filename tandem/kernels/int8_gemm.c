@@ -41,44 +41,39 @@ typedef struct {
     long K;
 } Inputs;
 
-typedef void (*BlockFn)(const Inputs *in, long m0, const int8_t *const *w, float *out);
-
-/* Input rows m0 .. m0+MR against weight rows n0 .. n1 (a tile), NR at a time through `block`;
- * the last group repeats row n1 - 1 where fewer than NR are left and drops those results. */
-static inline __attribute__((always_inline)) void tile(BlockFn block, const int MR, const int NR, const Inputs *in,
-                                                       const int8_t *w, const float *scale, float *y, long m0,
-                                                       long n0, long n1, long N) {
-    long K = in->K;
-    for (long n = n0; n < n1; n += NR) {
-        const int8_t *wp[8];
-        for (int j = 0; j < NR; j++) wp[j] = w + (n + j < n1 ? n + j : n1 - 1) * K;
-        float out[16];
-        block(in, m0, wp, out);
-        for (int i = 0; i < MR; i++)
-            for (int j = 0; j < NR && n + j < n1; j++) y[(m0 + i) * N + n + j] = out[i * NR + j] * scale[n + j];
+/* Input rows m0 .. m0+MR against weight rows n0 .. n1 (a tile), NR at a time through
+ * BLOCK(in, m0, w[NR], out[MR * NR]); the last group repeats row n1 - 1 where fewer than NR are
+ * left and drops those results. A macro, so every block is called directly and inlined. */
+#define TILE(BLOCK, MR, NR, in, w, scale, y, m0, n0, n1, N)                                         \
+    for (long n = n0; n < n1; n += NR) {                                                            \
+        const int8_t *wp[NR];                                                                       \
+        for (int j = 0; j < NR; j++) wp[j] = w + (n + j < n1 ? n + j : n1 - 1) * (in)->K;           \
+        float out[MR * NR];                                                                         \
+        BLOCK(in, m0, wp, out);                                                                     \
+        for (int i = 0; i < MR; i++)                                                                \
+            for (int j = 0; j < NR && n + j < n1; j++) y[(m0 + i) * N + n + j] = out[i * NR + j] * scale[n + j]; \
     }
-}
 
 /* Tiles of TILE_N weight rows across the threads; in each, blocks of 4 input rows (4x2), then the
- * 1-3 rows left (1x4, 2x4, 3x4). blocks[r - 1] handles r rows. */
-static void run_tiles(const BlockFn blocks[4], const Inputs *in, const int8_t *w, const float *scale, float *y,
-                      long M, long N) {
-    long tiles = (N + TILE_N - 1) / TILE_N;
-#pragma omp parallel for schedule(static)
-    for (long t = 0; t < tiles; t++) {
-        long n0 = t * TILE_N, n1 = n0 + TILE_N < N ? n0 + TILE_N : N;
-        long m = 0;
-        for (; m + 4 <= M; m += 4) tile(blocks[3], 4, 2, in, w, scale, y, m, n0, n1, N);
-        switch (M - m) {
-            case 3: tile(blocks[2], 3, 4, in, w, scale, y, m, n0, n1, N); break;
-            case 2: tile(blocks[1], 2, 4, in, w, scale, y, m, n0, n1, N); break;
-            case 1: tile(blocks[0], 1, 4, in, w, scale, y, m, n0, n1, N); break;
-        }
-    }
-}
+ * 1-3 rows left (1x4, 2x4, 3x4), with the blocks PREFIX##block_MRxNR. */
+#define RUN_TILES(PREFIX, in, w, scale, y, M, N)                                                    \
+    do {                                                                                            \
+        long tiles = (N + TILE_N - 1) / TILE_N;                                                     \
+        _Pragma("omp parallel for schedule(static)")                                                \
+        for (long t = 0; t < tiles; t++) {                                                          \
+            long n0 = t * TILE_N, n1 = n0 + TILE_N < N ? n0 + TILE_N : N;                           \
+            long m = 0;                                                                             \
+            for (; m + 4 <= M; m += 4) TILE(PREFIX##block_4x2, 4, 2, in, w, scale, y, m, n0, n1, N); \
+            switch (M - m) {                                                                        \
+                case 3: TILE(PREFIX##block_3x4, 3, 4, in, w, scale, y, m, n0, n1, N); break;        \
+                case 2: TILE(PREFIX##block_2x4, 2, 4, in, w, scale, y, m, n0, n1, N); break;        \
+                case 1: TILE(PREFIX##block_1x4, 1, 4, in, w, scale, y, m, n0, n1, N); break;        \
+            }                                                                                       \
+        }                                                                                           \
+    } while (0)
 
-/* MR input rows (x, row stride K) against NR weight rows w[0..NR): out[i * NR + j]. One function
- * per block shape, with fixed sizes, so the accumulators live in registers. */
+/* MR float32 input rows (from row m0) against NR weight rows w[0..NR): out[i * NR + j]. One
+ * function per block shape, with fixed sizes, so the accumulators live in registers. */
 #define DEFINE_BLOCK(MR, NR)                                                                        \
     static void block_##MR##x##NR(const Inputs *in, long m0, const int8_t *const *w, float *out) {  \
         long K = in->K;                                                                             \
@@ -109,11 +104,9 @@ DEFINE_BLOCK(2, 4)
 DEFINE_BLOCK(3, 4)
 DEFINE_BLOCK(4, 2)
 
-static const BlockFn FLOAT_BLOCKS[4] = {block_1x4, block_2x4, block_3x4, block_4x2};
-
 void tandem_gemm_i8(const float *x, const int8_t *w, const float *scale, float *y, long M, long N, long K) {
     Inputs in = {x, NULL, NULL, K};
-    run_tiles(FLOAT_BLOCKS, &in, w, scale, y, M, N);
+    RUN_TILES(, &in, w, scale, y, M, N);
 }
 
 /* out[n, k] = scale[n0 + n] * w[n0 + n, k] for n in [0, n1 - n0): float32 rows for a BLAS call. */
@@ -208,12 +201,10 @@ DEFINE_QBLOCK(2, 4)
 DEFINE_QBLOCK(3, 4)
 DEFINE_QBLOCK(4, 2)
 
-static const BlockFn INT8_BLOCKS[4] = {qblock_1x4, qblock_2x4, qblock_3x4, qblock_4x2};
-
 /* K must be a multiple of QBLOCK; xq (M * K bytes) and xs (M * K / QBLOCK floats) are scratch. */
 void tandem_gemm_w8a8(const float *x, const int8_t *w, const float *scale, float *y, long M, long N, long K,
                       int8_t *xq, float *xs) {
     quantize_rows_i8(x, xq, xs, M, K);
     Inputs in = {NULL, xq, xs, K};
-    run_tiles(INT8_BLOCKS, &in, w, scale, y, M, N);
+    RUN_TILES(q, &in, w, scale, y, M, N);
 }
