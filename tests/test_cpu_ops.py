@@ -93,3 +93,25 @@ def test_qkv_to_cache_matches_norm_rope_and_cache_write(with_norm, offset, t):
     untouched = torch.ones(slots, dtype=torch.bool)
     untouched[where] = False
     assert torch.all(k_cache[untouched] == 0) and torch.all(v_cache[untouched] == 0)
+
+
+def test_kernels_follow_torch_thread_count_on_a_new_thread():
+    """A fresh thread (like the server's engine loop) starts with OpenMP's default count; the
+    kernels must use torch's (--threads) from their first call on."""
+    import threading
+
+    before = torch.get_num_threads()
+    seen = []
+    try:
+        torch.set_num_threads(1)
+
+        def work():
+            native.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-6, 0.0)  # the thread's first kernel call
+            seen.append(native._library().tandem_threads())  # read, not set
+
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1]

@@ -15,13 +15,16 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger("tandem.kernels")
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("int8_gemm.c", "cpu_ops.c", "decode_attention.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("int8_gemm.c", "cpu_ops.c", "decode_attention.c", "threads.c")
+)
 LIBRARY = "tandem_kernels"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
@@ -81,6 +84,10 @@ def _library() -> ctypes.CDLL | None:
         log.warning("native kernels off, using the plain torch path: %s", exc)
         return None
     ptr, size = ctypes.c_void_p, ctypes.c_long
+    lib.tandem_set_threads.argtypes = [ctypes.c_int]
+    lib.tandem_set_threads.restype = None
+    lib.tandem_threads.argtypes = []
+    lib.tandem_threads.restype = ctypes.c_int
     lib.tandem_gemm_i8.argtypes = [ptr, ptr, ptr, ptr, size, size, size]
     lib.tandem_gemm_i8.restype = None
     lib.tandem_gemm_w8a8.argtypes = [ptr, ptr, ptr, ptr, size, size, size, ptr, ptr]
@@ -106,9 +113,27 @@ def available() -> bool:
     return _library() is not None
 
 
+_thread = threading.local()
+
+
+def _lib() -> ctypes.CDLL:
+    """The library, with this thread's OpenMP thread count set to torch's (see threads.c)."""
+    lib = _library()
+    n = torch.get_num_threads()
+    if getattr(_thread, "threads", None) != n:
+        lib.tandem_set_threads(n)
+        _thread.threads = n
+    return lib
+
+
+def threads() -> int:
+    """The OpenMP thread count the kernels would use on this thread now."""
+    return _lib().tandem_threads()
+
+
 def gemm_i8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x`` float32 [M, K] contiguous, ``weight`` int8 [N, K], ``scale`` float32 [N] -> [M, N]."""
-    lib = _library()
+    lib = _lib()
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
@@ -118,7 +143,7 @@ def gemm_i8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch
 
 def gemm_w8a8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """As ``gemm_i8`` with ``x`` rounded to int8 per block of 32 values (K a multiple of 32)."""
-    lib = _library()
+    lib = _lib()
     m, k = x.shape
     n = weight.shape[0]
     if k % 32:
@@ -133,7 +158,7 @@ def gemm_w8a8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> tor
 
 def dequant_i8(weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, n0: int, n1: int) -> torch.Tensor:
     """Rows ``n0 .. n1`` of ``scale[:, None] * weight`` into ``out[: n1 - n0]`` (float32)."""
-    lib = _library()
+    lib = _lib()
     lib.tandem_dequant_i8(weight.data_ptr(), scale.data_ptr(), out.data_ptr(), n0, n1, weight.shape[1])
     return out[: n1 - n0]
 
@@ -150,7 +175,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -
     """RMS norm over the last dimension, times ``offset + weight``; see ``usable``."""
     out = torch.empty_like(x)
     d = x.shape[-1]
-    _library().tandem_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // d, d, eps, offset)
+    _lib().tandem_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // d, d, eps, offset)
     return out
 
 
@@ -161,14 +186,14 @@ def act_mul(gate_up: torch.Tensor, kind: str) -> torch.Tensor:
     """``act(gate) * up`` for ``gate_up`` [..., 2 * I] holding gate then up; see ``usable``."""
     i = gate_up.shape[-1] // 2
     out = gate_up.new_empty(*gate_up.shape[:-1], i)
-    _library().tandem_act_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * i), i, ACTIVATIONS[kind])
+    _lib().tandem_act_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * i), i, ACTIVATIONS[kind])
     return out
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """Index of each row's largest value (first on ties) for a float32 [rows, N] tensor."""
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    _library().tandem_argmax_rows(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1])
+    _lib().tandem_argmax_rows(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1])
     return out
 
 
@@ -192,7 +217,7 @@ def qkv_to_cache(
     t = qkv.shape[0]
     q = qkv.new_empty(t, num_heads, d)
     none = None
-    _library().tandem_qkv_to_cache(
+    _lib().tandem_qkv_to_cache(
         qkv.data_ptr(), t, num_heads, kvh, d, none if q_norm is None else q_norm.data_ptr(),
         none if k_norm is None else k_norm.data_ptr(), eps, offset, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
@@ -218,7 +243,7 @@ def decode_attention(
     [S] and ``rows`` [S] (each sequence's token row in ``q``) int64; ``window`` 0 for none."""
     s, b = block_tables.shape
     _, h, d = q.shape
-    status = _library().tandem_decode_attention(
+    status = _lib().tandem_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), b, context_lens.data_ptr(),
         rows.data_ptr(), out.data_ptr(), s, h, k_cache.shape[1], d, block_size, window, scale,
     )
