@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.utilization import ModelCost, measure_peaks
+from tandem.utilization import measure_peaks
 
 
 def matmul_flops(m: int, k: int, n: int, dtype: torch.dtype, seconds: float = 0.5) -> float:
@@ -85,7 +85,7 @@ def main() -> None:
                                         for rows in (1, 16, 64)},
     }
     print(json.dumps(result["peaks"], indent=1), flush=True)
-    cost = ModelCost.from_spec(spec, dtype.itemsize, llm.loaded.weight_bytes)
+    cost = llm.loaded.cost()
 
     decode = []
     for ctx in (int(c) for c in args.contexts.split(",")):

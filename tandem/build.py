@@ -21,6 +21,7 @@ from tandem.models.registry import build_model
 from tandem.models.spec import ModelSpec
 from tandem.runner.runner import ModelRunner, kv_bytes_per_block
 from tandem.tokenizer import Tokenizer
+from tandem.utilization import ModelCost
 from tandem.weights.loader import load_weights
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,10 @@ class LoadedModel:
     def weight_bytes(self) -> int:
         """Bytes per matmul weight as stored (int8 scales, one per row, are left out)."""
         return 1 if self.quantization != "none" else self.dtype.itemsize
+
+    def cost(self) -> ModelCost:
+        """FLOPs and bytes per step of this model as loaded (dtype and weight format)."""
+        return ModelCost.from_spec(self.spec, self.dtype.itemsize, self.weight_bytes)
 
 
 def load_model(config: ModelConfig) -> LoadedModel:

@@ -142,13 +142,13 @@ class InProcessEvaluator:
 
     def __init__(self, base: EngineConfig, peaks=None, prompt_tokenizer=None) -> None:
         from tandem.build import load_model, set_threads
-        from tandem.utilization import ModelCost, measure_peaks
+        from tandem.utilization import measure_peaks
 
         set_threads(base.model.threads)
         self.base = base
         self.loaded = load_model(base.model)
         self.prompt_tokenizer = prompt_tokenizer
-        self.cost = ModelCost.from_spec(self.loaded.spec, self.loaded.dtype.itemsize, self.loaded.weight_bytes)
+        self.cost = self.loaded.cost()
         dtype = "bfloat16" if str(self.loaded.dtype) == "torch.bfloat16" else "float32"
         self.peaks = peaks or measure_peaks(self.loaded.device.type, dtype)
 

@@ -116,16 +116,15 @@ void tandem_argmax_rows(const float *x, int64_t *out, long rows, long N) {
 static void norm_rope_row(const float *src, float *dst, long D, const float *w, float eps, float offset,
                           const float *cos, const float *sin) {
     float tmp[D];
-    float inv = 1.0f;
+    const float *x = src;
     if (w != NULL) {
-        inv = inv_rms(src, D, eps);
+        float inv = inv_rms(src, D, eps);
         for (long k = 0; k < D; k++) tmp[k] = src[k] * inv * (offset + w[k]);
-    } else {
-        for (long k = 0; k < D; k++) tmp[k] = src[k];
+        x = tmp;
     }
     long half = D / 2;
-    for (long k = 0; k < half; k++) dst[k] = tmp[k] * cos[k] - tmp[k + half] * sin[k];
-    for (long k = half; k < D; k++) dst[k] = tmp[k] * cos[k] + tmp[k - half] * sin[k];
+    for (long k = 0; k < half; k++) dst[k] = x[k] * cos[k] - x[k + half] * sin[k];
+    for (long k = half; k < D; k++) dst[k] = x[k] * cos[k] + x[k - half] * sin[k];
 }
 
 /* The merged q/k/v projection's output [T, (H + 2 KVH) * D] made ready for attention in one pass:

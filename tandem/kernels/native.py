@@ -126,11 +126,6 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-def threads() -> int:
-    """The OpenMP thread count the kernels would use on this thread now."""
-    return _lib().tandem_threads()
-
-
 def gemm_i8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x`` float32 [M, K] contiguous, ``weight`` int8 [N, K], ``scale`` float32 [N] -> [M, N]."""
     lib = _lib()
@@ -197,6 +192,11 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's data pointer, or NULL for None."""
+    return None if t is None else t.data_ptr()
+
+
 def qkv_to_cache(
     qkv: torch.Tensor,
     num_heads: int,
@@ -216,11 +216,9 @@ def qkv_to_cache(
     _, kvh, d = k_cache.shape
     t = qkv.shape[0]
     q = qkv.new_empty(t, num_heads, d)
-    none = None
     _lib().tandem_qkv_to_cache(
-        qkv.data_ptr(), t, num_heads, kvh, d, none if q_norm is None else q_norm.data_ptr(),
-        none if k_norm is None else k_norm.data_ptr(), eps, offset, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        qkv.data_ptr(), t, num_heads, kvh, d, _ptr(q_norm), _ptr(k_norm), eps, offset, cos.data_ptr(),
+        sin.data_ptr(), slots.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
     )
     return q
 

@@ -476,7 +476,7 @@ async def _sse(state, stream, jobs, rid, created, chat, include_usage) -> AsyncI
 
 def build_state(engine_config: EngineConfig, server_config: ServerConfig) -> ServerState:
     from tandem.build import build_engine
-    from tandem.utilization import ModelCost, Peaks, measure_peaks
+    from tandem.utilization import Peaks, measure_peaks
 
     server_config.validate()
     engine, loaded = build_engine(engine_config)
@@ -490,7 +490,7 @@ def build_state(engine_config: EngineConfig, server_config: ServerConfig) -> Ser
         peaks = Peaks(server_config.peak_flops or measured.flops_per_s,
                       server_config.peak_memory_bandwidth or measured.bytes_per_s, measured=True)
     log.info("peaks for utilization: %.1f GFLOP/s, %.1f GB/s", peaks.flops_per_s / 1e9, peaks.bytes_per_s / 1e9)
-    cost = ModelCost.from_spec(loaded.spec, loaded.dtype.itemsize, loaded.weight_bytes)
+    cost = loaded.cost()
     metrics = ServerMetrics(name, cost, peaks)
     tracer = TraceRecorder(server_config.trace) if server_config.trace else None
 
