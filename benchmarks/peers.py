@@ -495,7 +495,7 @@ def write_report(out_dir: Path, command: str, args, machine: dict, levels: list[
         "## Set-up", "", *setup_lines(args, machine, results), "",
         "## Results", "", *results_table(results), "",
         "ITL: gaps between consecutive streamed tokens; TPOT: (E2E − TTFT) / (tokens − 1); output tok/s: output "
-        "tokens of the level / its wall-clock duration. Definitions: tandem.metrics.", "",
+        "tokens of the level / its wall-clock duration. Definitions: tandem.latency.", "",
         "![output tok/s and ITL p99 per peer and concurrency](peers.png)", "",
         "## tandem relative to each peer", "", *ratios_table(results, args.concurrency), "",
         "Throughput ratio above 1: tandem delivers more output tokens per second; latency ratios below 1: "

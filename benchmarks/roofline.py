@@ -113,7 +113,7 @@ def main() -> None:
         llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
         steps = [s for s in llm.engine.step_stats if s.num_prefill_tokens]
         seconds = sum(s.duration for s in steps)
-        flops = sum(cost.step(((c[1], c[2]) for c in s.chunks), s.num_sampled)[0] for s in steps)
+        flops = sum(cost.step(s.spans(), s.num_sampled)[0] for s in steps)
         row = {"chunk": chunk, "tok_s": len(prompt) / seconds, "of_compute_peak": flops / seconds / peaks.flops_per_s,
                "steps": len(steps), "wall_s": time.perf_counter() - t}
         prefill.append(row)

@@ -14,7 +14,8 @@ from typing import Callable
 import torch
 
 from tandem.config import EngineConfig, ModelConfig
-from tandem.core.engine import Engine, StepStats
+from tandem.core.engine import Engine
+from tandem.core.outputs import StepStats
 from tandem.models.base import CausalLM
 from tandem.models.quant import quantize_model_int8
 from tandem.models.registry import build_model

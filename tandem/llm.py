@@ -13,7 +13,8 @@ from typing import Sequence
 
 from tandem.build import build_engine
 from tandem.config import EngineConfig
-from tandem.core.engine import Engine, StepStats
+from tandem.core.engine import Engine
+from tandem.core.outputs import StepStats
 from tandem.core.request import RequestTiming, SamplingParams, TokenLogprob
 
 

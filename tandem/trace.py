@@ -14,7 +14,7 @@ import logging
 import threading
 from pathlib import Path
 
-from tandem.core.engine import RequestOutput, StepStats
+from tandem.core.outputs import RequestOutput, StepStats
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +73,11 @@ class TraceRecorder:
                                 "args": {"used": s.kv_blocks_used}})
             self.events.append({"ph": "C", "pid": _ENGINE_PID, "ts": ts, "name": "requests",
                                 "args": {"running": s.num_running, "waiting": s.num_waiting}})
-            for request_id, start, n, is_decode, _ in s.chunks:
-                name = "decode" if is_decode else f"prefill {n} tok"
+            for c in s.chunks:
+                name = "decode" if c.is_decode else f"prefill {c.num_tokens} tok"
                 self.events.append({
-                    "ph": "X", "pid": _REQUESTS_PID, "tid": self._tid(request_id), "ts": ts, "dur": dur,
-                    "name": name, "args": {"step": s.step_id, "positions": [start, start + n]},
+                    "ph": "X", "pid": _REQUESTS_PID, "tid": self._tid(c.request_id), "ts": ts, "dur": dur,
+                    "name": name, "args": {"step": s.step_id, "positions": [c.start, c.start + c.num_tokens]},
                 })
 
     def on_finish(self, out: RequestOutput) -> None:

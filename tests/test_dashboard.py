@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tandem.core.engine import RequestOutput, StepStats
+from tandem.core.outputs import ChunkStat, RequestOutput, StepStats
 from tandem.core.request import RequestTiming
 from tandem.server.metrics import ServerMetrics
 from tandem.utilization import ModelCost, Peaks
@@ -46,7 +46,7 @@ def exported() -> set[str]:
         m.on_step(StepStats(step_id=i, start=float(i), duration=0.01, forward_seconds=0.01, kind=kind,
                             num_prefill_tokens=4, num_decode_tokens=1, num_seqs=2, kv_blocks_used=1,
                             kv_blocks_total=4, num_preempted=1, num_waiting=1, num_running=1,
-                            chunks=(("a", 0, 4, False, True), ("b", 4, 1, True, True))), engine)
+                            chunks=(ChunkStat("a", 0, 4, False, True), ChunkStat("b", 4, 1, True, True))), engine)
     timing = RequestTiming(arrival=0.0, first_scheduled=0.1, first_token=0.2, token_times=[0.2, 0.3, 0.4],
                            finish=0.4)
     m.on_finish(RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1, 2, 3], text="abc",

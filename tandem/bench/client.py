@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from tandem.bench.workload import BenchRequest
-from tandem.metrics import itls, stall, tpot
+from tandem.latency import itls, stall, tpot
 
 
 @dataclass

@@ -167,7 +167,7 @@ class InProcessEvaluator:
         busy = sum(s.duration for s in steps) or 1e-9
         flops = nbytes = 0.0
         for s in steps:
-            f, b = self.cost.step(((c[1], c[2]) for c in s.chunks), s.num_sampled)
+            f, b = self.cost.step(s.spans(), s.num_sampled)
             flops += f
             nbytes += b
         return flops / busy / self.peaks.flops_per_s, nbytes / busy / self.peaks.bytes_per_s

@@ -6,7 +6,7 @@ from collections import Counter
 from typing import Sequence
 
 from tandem.bench.client import RequestResult
-from tandem.metrics import summarize
+from tandem.latency import summarize
 
 METRICS = ("ttft", "tpot", "itl", "e2el", "stall")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")

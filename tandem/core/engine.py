@@ -10,13 +10,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 from tandem.config import SchedulerConfig
 from tandem.core.detokenizer import IncrementalDetokenizer
 from tandem.core.kv_blocks import BlockAllocator
-from tandem.core.request import FinishReason, Request, RequestTiming, SamplingParams, TokenLogprob
+from tandem.core.outputs import ChunkStat, RequestOutput, StepStats
+from tandem.core.request import FinishReason, Request, SamplingParams
 from tandem.core.scheduler import Scheduler
 from tandem.core.step import RunnerOutput, SchedulerOutput
 
@@ -34,46 +34,6 @@ class TokenizerLike(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
-
-
-@dataclass
-class StepStats:
-    step_id: int
-    start: float
-    duration: float
-    forward_seconds: float
-    kind: str
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_seqs: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    num_preempted: int
-    num_waiting: int
-    num_running: int
-    error: str | None = None
-    chunks: tuple[tuple[str, int, int, bool, bool], ...] = ()
-    """Per scheduled chunk: (request_id, start position, tokens, is_decode, samples)."""
-
-    @property
-    def num_sampled(self) -> int:
-        return sum(1 for c in self.chunks if c[4])
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    delta_text: str
-    delta_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    timing: RequestTiming
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    error: str | None = None
 
 
 class Engine:
@@ -266,7 +226,7 @@ class Engine:
             num_running=self.num_running,
             error=error,
             chunks=tuple(
-                (c.request.request_id, c.start, c.num_tokens, c.is_decode, c.samples) for c in out.chunks
+                ChunkStat(c.request.request_id, c.start, c.num_tokens, c.is_decode, c.samples) for c in out.chunks
             ),
         )
         if self.record_steps:

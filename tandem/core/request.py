@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from tandem.metrics import itls
+from tandem.latency import itls
 
 
 @dataclass

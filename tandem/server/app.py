@@ -20,7 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tandem
 from tandem.config import EngineConfig, ServerConfig
-from tandem.core.engine import Engine, RequestOutput
+from tandem.core.engine import Engine
+from tandem.core.outputs import RequestOutput
 from tandem.core.request import Request as EngineRequest
 from tandem.core.request import SamplingParams
 from tandem.server.async_engine import AsyncEngine, QueueFull

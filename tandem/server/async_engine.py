@@ -17,7 +17,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from tandem.core.engine import Engine, RequestOutput
+from tandem.core.engine import Engine
+from tandem.core.outputs import RequestOutput
 from tandem.core.request import Request
 
 log = logging.getLogger(__name__)

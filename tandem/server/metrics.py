@@ -13,8 +13,9 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tandem.core.engine import Engine, RequestOutput, StepStats
-from tandem.metrics import tpot
+from tandem.core.engine import Engine
+from tandem.core.outputs import RequestOutput, StepStats
+from tandem.latency import tpot
 from tandem.utilization import ModelCost, Peaks
 
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -90,7 +91,7 @@ class ServerMetrics:
         self.running.labels(lm).set(engine.num_running)
         self.waiting.labels(lm).set(engine.num_waiting)
         self.kv_usage.labels(lm).set(s.kv_blocks_used / s.kv_blocks_total)
-        flops, nbytes = self.cost.step(((c[1], c[2]) for c in s.chunks), s.num_sampled)
+        flops, nbytes = self.cost.step(s.spans(), s.num_sampled)
         with self._lock:
             end = s.start + s.duration
             self._recent.append((end, s.duration, flops, nbytes))

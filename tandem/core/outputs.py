@@ -1,0 +1,62 @@
+"""What the engine reports: one ``RequestOutput`` per request that changed in a step, and one
+``StepStats`` per step (the record that the server's metrics, the trace and the benchmarks read)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.core.request import RequestTiming, TokenLogprob
+
+
+@dataclass(frozen=True)
+class ChunkStat:
+    """One scheduled chunk of a step, as recorded: KV computed for ``[start, start + num_tokens)``."""
+
+    request_id: str
+    start: int
+    num_tokens: int
+    is_decode: bool
+    samples: bool
+
+
+@dataclass
+class StepStats:
+    step_id: int
+    start: float
+    duration: float
+    forward_seconds: float
+    kind: str
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_seqs: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preempted: int
+    num_waiting: int
+    num_running: int
+    error: str | None = None
+    chunks: tuple[ChunkStat, ...] = ()
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(1 for c in self.chunks if c.samples)
+
+    def spans(self) -> list[tuple[int, int]]:
+        """(start position, tokens) of each chunk: what a cost model needs of the step."""
+        return [(c.start, c.num_tokens) for c in self.chunks]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    timing: RequestTiming
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    error: str | None = None
