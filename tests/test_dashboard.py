@@ -11,7 +11,7 @@ import pytest
 
 from tandem.core.outputs import ChunkStat, RequestOutput, StepStats
 from tandem.core.request import RequestTiming
-from tandem.server.metrics import ServerMetrics
+from tandem.server.prometheus import ServerMetrics
 from tandem.utilization import ModelCost, Peaks
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "tandem-dashboard.json"

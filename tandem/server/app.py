@@ -26,7 +26,7 @@ from tandem.core.request import Request as EngineRequest
 from tandem.core.request import SamplingParams
 from tandem.server.async_engine import AsyncEngine, QueueFull
 from tandem.server.chat import ROLES, ChatFormatter
-from tandem.server.metrics import ServerMetrics
+from tandem.server.prometheus import ServerMetrics
 from tandem.server.protocol import (
     APIError,
     ChatCompletionRequest,
