@@ -91,7 +91,8 @@ def _serve_parser(sub) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from tandem.server.app import build_state, create_app
+    from tandem.server.routes import create_app
+    from tandem.server.state import build_state
 
     engine_config = engine_config_from_args(args)
     server_config = dataclass_from_args(ServerConfig, args)

@@ -9,7 +9,8 @@ import httpx
 import pytest
 
 from tandem.config import EngineConfig, ServerConfig
-from tandem.server.app import build_state, create_app
+from tandem.server.routes import create_app
+from tandem.server.state import build_state
 from tiny_models import save_tiny
 
 POISON = 13  # a step whose input holds this token id raises

@@ -1,0 +1,116 @@
+"""One HTTP request as several engine requests (one per prompt and choice, ``n`` > 1): making
+them, submitting all or none, and merging their output queues back into one stream."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, replace
+from typing import AsyncIterator
+
+from tandem.core.outputs import RequestOutput
+from tandem.core.request import Request as EngineRequest
+from tandem.core.request import SamplingParams
+from tandem.server.async_engine import QueueFull
+from tandem.server.protocol import APIError, bad_request, from_value_error
+from tandem.server.state import ServerState
+
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class Job:
+    index: int  # choice index
+    prompt_index: int
+    request: EngineRequest
+
+
+def make_jobs(state: ServerState, prompts: list, params: SamplingParams, n: int, priority: int, arrival: float,
+              default_max: bool, explicit_max: bool) -> list[Job]:
+    engine = state.engine
+    base = uuid.uuid4().hex[:16]
+    jobs: list[Job] = []
+    for pi, prompt in enumerate(prompts):
+        if isinstance(prompt, list) and not all(isinstance(t, int) for t in prompt):
+            raise bad_request(f"prompt[{pi}]: must be a string or a list of token ids", "prompt")
+        for j in range(n):
+            p = params
+            if params.seed is not None and j:
+                p = replace(params, seed=params.seed + j)
+            try:
+                request = engine.make_request(prompt, p, request_id=f"{base}-{pi}-{j}", arrival_time=arrival,
+                                              priority=priority)
+            except ValueError as exc:
+                raise from_value_error(exc) from None
+            room = engine.max_model_len - request.num_prompt_tokens
+            if default_max:
+                request.params = replace(request.params, max_tokens=room)
+            elif request.params.max_tokens > room:
+                param = "max_tokens" if explicit_max else "prompt"
+                raise bad_request(
+                    f"{param}: the prompt ({request.num_prompt_tokens} tokens) plus max_tokens "
+                    f"({request.params.max_tokens}) exceeds the context length of {engine.max_model_len} tokens",
+                    param,
+                )
+            jobs.append(Job(len(jobs), pi, request))
+    ae = state.async_engine
+    if ae.num_waiting() + len(jobs) > ae.max_waiting:
+        state.metrics.reject("queue_full")
+        raise APIError(429, f"the server is at its queue bound ({ae.max_waiting} waiting requests); retry later",
+                       headers={"Retry-After": str(RETRY_AFTER_S)})
+    return jobs
+
+
+def submit(state: ServerState, jobs: list[Job]) -> list[asyncio.Queue]:
+    """Hand every job to the engine loop, or none of them (429) if the queue is full."""
+    queues: list[asyncio.Queue] = []
+    try:
+        for job in jobs:
+            queues.append(state.async_engine.submit(job.request))
+    except QueueFull as exc:
+        for job in jobs[: len(queues)]:
+            state.async_engine.abort(job.request.request_id)
+        state.metrics.reject("queue_full")
+        raise APIError(429, f"the server is at its queue bound: {exc}; retry later",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    return queues
+
+
+async def merged_outputs(state: ServerState, jobs: list[Job], queues: list[asyncio.Queue]
+                         ) -> AsyncIterator[tuple[Job, RequestOutput]]:
+    """Outputs of all jobs as they come; closing the iterator aborts every unfinished job."""
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(job: Job, queue: asyncio.Queue) -> None:
+        while True:
+            item = await queue.get()
+            merged.put_nowait((job, item))
+            if isinstance(item, BaseException) or item.finished:
+                return
+
+    pumps = [asyncio.ensure_future(pump(job, q)) for job, q in zip(jobs, queues)]
+    remaining = {job.request.request_id for job in jobs}
+    try:
+        while remaining:
+            job, item = await merged.get()
+            if isinstance(item, BaseException) or item.finished:
+                remaining.discard(job.request.request_id)
+            if isinstance(item, BaseException):
+                raise APIError(500, f"request failed: {item}")
+            yield job, item
+    finally:
+        for task in pumps:
+            task.cancel()
+        for request_id in remaining:
+            state.async_engine.abort(request_id)
+
+
+async def collect(stream: AsyncIterator[tuple[Job, RequestOutput]]) -> dict[int, RequestOutput]:
+    """The final output of every job, by choice index; an engine failure in any job is a 500."""
+    finals: dict[int, RequestOutput] = {}
+    async for job, out in stream:
+        if out.finished:
+            if out.error is not None:
+                raise APIError(500, f"the engine failed while running this request: {out.error}")
+            finals[job.index] = out
+    return finals

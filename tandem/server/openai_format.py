@@ -1,0 +1,139 @@
+"""OpenAI response shapes: completion and chat bodies, their streamed chunks (server-sent
+events), usage and the two logprobs layouts (legacy completions and chat)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from tandem.core.outputs import RequestOutput
+from tandem.server.protocol import APIError
+
+if TYPE_CHECKING:  # state.py imports this module, so importing these at run time would be circular
+    from tandem.server.fanout import Job
+    from tandem.server.state import ServerState
+
+
+def unix_time() -> int:
+    """OpenAI's ``created`` fields are whole Unix seconds."""
+    return int(time.time())
+
+
+def response_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def _usage(jobs: list[Job], outputs: dict[int, RequestOutput]) -> dict[str, int]:
+    # a prompt counts once, however many choices (n) it has
+    prompt = sum({j.prompt_index: j.request.num_prompt_tokens for j in jobs}.values())
+    completion = sum(len(o.token_ids) for o in outputs.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _token_text(state: ServerState, token_id: int) -> str:
+    return state.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _completion_logprobs(state: ServerState, lps, text_offset: int = 0) -> dict[str, Any]:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    pos = text_offset
+    for lp in lps:
+        s = _token_text(state, lp.token_id)
+        tokens.append(s)
+        token_logprobs.append(lp.logprob)
+        top.append({_token_text(state, t): v for t, v in lp.top})
+        offsets.append(pos)
+        pos += len(s)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _chat_logprobs(state: ServerState, lps) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        s = _token_text(state, token_id)
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in lps]}
+
+
+def full_response(state: ServerState, jobs: list[Job], finals: dict[int, RequestOutput], rid: str, created: int,
+                  chat: bool) -> dict[str, Any]:
+    choices = []
+    for job in jobs:
+        out = finals[job.index]
+        want_lp = job.request.params.logprobs is not None
+        if chat:
+            choices.append({
+                "index": job.index,
+                "message": {"role": "assistant", "content": out.text},
+                "logprobs": _chat_logprobs(state, out.logprobs) if want_lp else None,
+                "finish_reason": out.finish_reason,
+            })
+        else:
+            choices.append({
+                "index": job.index, "text": out.text,
+                "logprobs": _completion_logprobs(state, out.logprobs) if want_lp else None,
+                "finish_reason": out.finish_reason,
+            })
+    return {
+        "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+        "model": state.model_name, "choices": choices, "usage": _usage(jobs, finals),
+    }
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+async def sse_stream(state: ServerState, stream: AsyncIterator[tuple[Job, RequestOutput]], jobs: list[Job],
+                     rid: str, created: int, chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    sent_lp: dict[int, int] = {}
+    text_offset: dict[int, int] = {}
+    finals: dict[int, RequestOutput] = {}
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+        body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": state.model_name,
+                                "choices": choices}
+        if include_usage:
+            body["usage"] = usage
+        return _event(body)
+
+    if chat:
+        yield chunk([{"index": j.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for j in jobs])
+
+    try:
+        async for job, out in stream:
+            if out.finished and out.error is not None:
+                err = APIError(500, f"the engine failed while running this request: {out.error}")
+                yield _event(err.body())
+                break
+            new_lps = out.logprobs[sent_lp.get(job.index, 0):]
+            sent_lp[job.index] = len(out.logprobs)
+            want_lp = job.request.params.logprobs is not None
+            if not out.delta_text and not out.finished and not (want_lp and new_lps):
+                continue
+            reason = out.finish_reason if out.finished else None
+            if chat:
+                choice = {"index": job.index, "delta": {"content": out.delta_text},
+                          "logprobs": _chat_logprobs(state, new_lps) if want_lp else None, "finish_reason": reason}
+            else:
+                off = text_offset.get(job.index, 0)
+                choice = {"index": job.index, "text": out.delta_text,
+                          "logprobs": _completion_logprobs(state, new_lps, off) if want_lp else None,
+                          "finish_reason": reason}
+                text_offset[job.index] = off + len(out.delta_text)
+            if out.finished:
+                finals[job.index] = out
+            yield chunk([choice])
+        else:
+            if include_usage:
+                yield chunk([], _usage(jobs, finals))
+    except APIError as exc:
+        yield _event(exc.body())
+    finally:
+        await stream.aclose()
+    yield b"data: [DONE]\n\n"
