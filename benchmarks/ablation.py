@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/ablation.py --quantization w8a8 --out docs/results/ablation-w8a8.json
 
-One engine, one run. Configurations, each cumulative on the one before:
+One model per configuration (its ops chosen by ``tandem.ops.dispatch.select_ops`` with the
+named ops disabled), one run. Configurations, each cumulative on the one before:
 
 1. ``all``: every kernel on (what tandem runs);
 2. ``-decode-attention``: decode attention through the gather + SDPA path instead of
@@ -23,28 +24,29 @@ import argparse
 import json
 import statistics
 import sys
-import types
 from pathlib import Path
 
 import torch
 
-from tandem import LLM, SamplingParams
-from tandem.models import layers
-from tandem.runner import attention, sampler
+from tandem import SamplingParams
+from tandem.build import engine_for, load_model, resolve_device, resolve_dtype, set_threads
+from tandem.config import EngineConfig
+from tandem.core.engine import Engine
+from tandem.llm import generate
+from tandem.ops.dispatch import select_ops
 
-OFF = types.SimpleNamespace(usable=lambda *tensors: False)
 CONFIGS = {
     "all": (),
-    "-decode-attention": (attention,),
-    "-fused-layer-ops": (attention, layers),
-    "-argmax": (attention, layers, sampler),
+    "-decode-attention": ("decode_attention",),
+    "-fused-layer-ops": ("decode_attention", "rms_norm", "act_mul", "qkv_rope_cache"),
+    "-argmax": ("decode_attention", "rms_norm", "act_mul", "qkv_rope_cache", "argmax"),
 }
 
 
-def decode_steps(llm: LLM, prompts, params) -> list[float]:
-    llm.engine.step_stats.clear()
-    llm.generate(prompts, params)
-    return [s.duration for s in llm.engine.step_stats if s.kind == "decode"]
+def decode_steps(engine: Engine, prompts, params) -> list[float]:
+    engine.step_stats.clear()
+    generate(engine, prompts, params)
+    return [s.duration for s in engine.step_stats if s.kind == "decode"]
 
 
 def main() -> None:
@@ -56,25 +58,26 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default="docs/results/ablation-w8a8.json")
     args = ap.parse_args()
-    llm = LLM(quantization=args.quantization, max_num_seqs=64, max_num_batched_tokens=2048)
+    config = EngineConfig.from_kwargs(quantization=args.quantization, max_num_seqs=64, max_num_batched_tokens=2048)
+    set_threads(config.model.threads)
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    engines = {name: engine_for(config, load_model(config.model, select_ops(device, dtype, disable=off)))
+               for name, off in CONFIGS.items()}
     params = SamplingParams(max_tokens=args.decode_steps, temperature=0.0, ignore_eos=True)
-    originals = {mod: mod.native for mod in (attention, layers, sampler)}
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         # Distinct token ids per sequence, as benchmarks/roofline.py builds them (speed does not
         # depend on which tokens they are).
         prompts = [[2] + [100 + (i * 7 + j) % 5000 for j in range(args.context - 1)] for i in range(batch)]
-        llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # warm-up
+        for engine in engines.values():  # warm-up
+            generate(engine, prompts[:1], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
         steps: dict[str, list[float]] = {name: [] for name in CONFIGS}
         for rnd in range(args.rounds):
-            for name, off in CONFIGS.items():
-                for mod in originals:
-                    mod.native = OFF if mod in off else originals[mod]
-                steps[name] += decode_steps(llm, prompts, params)
+            for name, engine in engines.items():
+                steps[name] += decode_steps(engine, prompts, params)
                 print(f"batch {batch:3d} round {rnd + 1}: {name:18s} {statistics.median(steps[name]) * 1e3:8.1f} ms",
                       flush=True)
-        for mod, orig in originals.items():
-            mod.native = orig
         base = statistics.median(steps["all"])
         for name, values in steps.items():
             med = statistics.median(values)

@@ -55,8 +55,8 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.build import load_model
 from tandem.config import ModelConfig
-from tandem.models.layers import ForwardContext
-from tandem.runner.attention import build_metadata
+from tandem.models.context import ForwardContext
+from tandem.ops.paged_attention import build_metadata
 
 ROOT = Path(__file__).resolve().parent.parent
 DATASET_DIR = ROOT.parent / "shared" / "datasets"

@@ -1,6 +1,6 @@
 """tandem: an LLM inference engine that makes the prefill/decode trade-off measurable."""
 
-from tandem.core.request import SamplingParams
+from tandem.core.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]

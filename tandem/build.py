@@ -16,10 +16,12 @@ import torch
 from tandem.config import EngineConfig, ModelConfig
 from tandem.core.engine import Engine
 from tandem.core.outputs import StepStats
+from tandem.core.step import KVLayout
 from tandem.models.base import CausalLM
 from tandem.models.quant import quantize_model_int8
 from tandem.models.registry import build_model
 from tandem.models.spec import ModelSpec
+from tandem.ops.dispatch import OpTable, select_ops
 from tandem.runner.runner import ModelRunner, kv_bytes_per_block
 from tandem.tokenizer import Tokenizer
 from tandem.utilization import ModelCost
@@ -31,12 +33,11 @@ DEFAULT_MAX_MODEL_LEN = 8192  # keeps rope tables and the default KV budget mode
 
 
 def resolve_device(name: str) -> torch.device:
+    """``name`` as validated by ``ModelConfig.validate``."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: 'cuda' was asked for but this machine has no usable CUDA device")
-    if name not in ("cpu", "cuda"):
-        raise ValueError(f"device: must be 'auto', 'cpu' or 'cuda', got {name!r}")
     return torch.device(name)
 
 
@@ -48,14 +49,12 @@ def cpu_supports_bf16() -> bool:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``name`` as validated by ``ModelConfig.validate``."""
     if name == "auto":
         if device.type == "cuda" or cpu_supports_bf16():
             return torch.bfloat16
         return torch.float32
-    try:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-    except KeyError:
-        raise ValueError(f"dtype: must be 'auto', 'float32' or 'bfloat16', got {name!r}") from None
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
 def default_model_path() -> Path:
@@ -85,7 +84,8 @@ class LoadedModel:
         return ModelCost.from_spec(self.spec, self.dtype.itemsize, self.weight_bytes)
 
 
-def load_model(config: ModelConfig) -> LoadedModel:
+def load_model(config: ModelConfig, ops: OpTable | None = None) -> LoadedModel:
+    """Load the model ``config`` names; ``ops`` overrides the op choice (else ``select_ops``)."""
     from tandem.weights.cache import converted_entry, load_spec
     from tandem.weights.safetensors_dir import iter_safetensors
 
@@ -118,7 +118,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
         )
     if config.quantization != "none" and device.type != "cpu":
         raise ValueError(f"quantization: {config.quantization!r} runs on the CPU only, not on {device.type}")
-    model = _instantiate(spec, max_len, device, dtype)
+    ops = ops or select_ops(device, dtype, config.kernels)
+    model = _instantiate(spec, max_len, device, dtype, ops)
     load_weights(model, iter_safetensors(weights_dir))
     if config.quantization != "none":
         quantize_model_int8(model, w8a8=config.quantization == "w8a8")
@@ -128,11 +129,11 @@ def load_model(config: ModelConfig) -> LoadedModel:
     )
 
 
-def _instantiate(spec: ModelSpec, max_len: int, device: torch.device, dtype: torch.dtype) -> CausalLM:
+def _instantiate(spec: ModelSpec, max_len: int, device: torch.device, dtype: torch.dtype, ops: OpTable) -> CausalLM:
     # Parameters are created uninitialised (the checkpoint overwrites them); buffers such as
     # the rope tables are computed on the CPU in float32 and then moved.
     with torch.device("meta"):
-        model = build_model(spec, max_len)
+        model = build_model(spec, max_len, ops)
     model.to_empty(device=device)
     model.to(dtype)
     model.reset_buffers(device)
@@ -160,15 +161,13 @@ def engine_for(
     num_blocks = config.cache.num_kv_blocks or int(config.cache.kv_cache_memory_gib * (1 << 30) // per_block)
     if num_blocks < 1:
         raise ValueError("kv_cache_memory_gib: too small for a single KV-cache block")
-    runner = ModelRunner(
-        loaded.model, num_blocks, config.cache.block_size, loaded.device, loaded.dtype, config.model.seed
-    )
+    layout = KVLayout(num_blocks, config.cache.block_size)
+    runner = ModelRunner(loaded.model, layout, loaded.device, loaded.dtype, config.model.seed)
     return Engine(
         config.scheduler,
         runner,
         loaded.tokenizer,
-        num_kv_blocks=num_blocks,
-        block_size=config.cache.block_size,
+        kv_layout=layout,
         max_model_len=loaded.max_model_len,
         clock=clock,
         on_step=on_step,

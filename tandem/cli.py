@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tandem.cli_args import add_dataclass_args, add_engine_args, dataclass_from_args, engine_config_from_args
 from tandem.config import ServerConfig
+from tandem.core.sampling_params import CLI_DEFAULTS, SamplingParams
 
 
 def _generate_parser(sub) -> None:
@@ -20,32 +21,17 @@ def _generate_parser(sub) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a concurrent batch)")
-    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per prompt")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1, help="-1 disables")
-    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
-    p.add_argument("--logprobs", type=int, default=None, help="top alternatives to report per token")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt with timing data")
+    # The per-request seed is the engine's --seed.
+    add_dataclass_args(p, SamplingParams, "sampling options", skip=("seed",), defaults=CLI_DEFAULTS)
     add_engine_args(p)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from tandem.core.request import SamplingParams
     from tandem.llm import LLM
 
     config = engine_config_from_args(args)
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=config.model.seed,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-        logprobs=args.logprobs,
-    )
+    params = dataclass_from_args(SamplingParams, args, seed=config.model.seed)
     print("loading model ...", file=sys.stderr, flush=True)
     llm = LLM(**config.flat())
     outputs = llm.generate(args.prompt, params)
@@ -186,7 +172,7 @@ def _run_tune(args: argparse.Namespace) -> int:
     return _print_report(Path(cfg.result_dir, "tune.md"), out["paths"])
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="tandem inference engine")
     parser.add_argument("--log-level", default="WARNING", help="logging level")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -194,7 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     _serve_parser(sub)
     _bench_parser(sub)
     _compare_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "generate":

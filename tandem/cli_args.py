@@ -19,7 +19,16 @@ def _arg_type(tp) -> type:
     return base if base in (int, float, str) else str
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str, skip: tuple[str, ...] = ()) -> None:
+def _element_type(tp) -> type:
+    """``Sequence[int]`` -> int (the type of one value of a list-valued flag)."""
+    args = typing.get_args(tp)
+    return args[0] if args and args[0] in (int, float, str) else str
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str, skip: tuple[str, ...] = (),
+                       defaults: dict[str, object] | None = None) -> None:
+    """One flag per field of ``cls``; ``defaults`` replaces some fields' defaults (a front end's
+    documented difference, e.g. ``tandem.core.sampling_params.CLI_DEFAULTS``)."""
     group = parser.add_argument_group(title)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -27,14 +36,20 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str, s
             continue
         flag = "--" + f.name.replace("_", "-")
         help_text = f.metadata.get("help", "")
-        if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        if defaults and f.name in defaults:
+            default = defaults[f.name]
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
             default = f.default_factory()  # type: ignore[misc]
         else:
             default = f.default
         if hints[f.name] is bool:
             group.add_argument(flag, dest=f.name, action="store_true", default=default, help=help_text)
+        elif f.metadata.get("action") == "append":
+            group.add_argument(flag, dest=f.name, action="append", default=list(default),
+                               type=_element_type(hints[f.name]), help=help_text)
         elif "nargs" in f.metadata:
-            group.add_argument(flag, dest=f.name, nargs=f.metadata["nargs"], default=default, help=help_text)
+            group.add_argument(flag, dest=f.name, nargs=f.metadata["nargs"], default=default,
+                               type=_element_type(hints[f.name]), help=help_text)
         else:
             group.add_argument(
                 flag,

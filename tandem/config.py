@@ -13,7 +13,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-POLICIES = ("static", "prefill-first", "chunked")
+from tandem.core.policies import POLICY_REGISTRY
+from tandem.ops.modes import KERNEL_MODES
+
+POLICIES = tuple(POLICY_REGISTRY)  # the registry is the one list; this is its CLI view
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("none", "int8", "w8a8")
@@ -134,8 +137,17 @@ class ModelConfig:
         default=None, metadata=_help("where converted models are cached; default: the user cache dir")
     )
     seed: int = field(default=0, metadata=_help("seed for requests that do not set their own"))
+    kernels: str = field(
+        default="auto",
+        metadata=_help(
+            "implementation of the hot ops: " + "; ".join(f"'{k}': {v}" for k, v in KERNEL_MODES.items()),
+            choices=tuple(KERNEL_MODES),
+        ),
+    )
 
     def validate(self) -> None:
+        if self.kernels not in KERNEL_MODES:
+            raise ValueError(f"kernels: must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in DEVICES:

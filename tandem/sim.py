@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from tandem.config import SchedulerConfig
 from tandem.core.engine import Engine
-from tandem.core.step import RunnerOutput, SampledToken, SchedulerOutput
+from tandem.core.step import KVLayout, RunnerOutput, SampledToken, SchedulerOutput
 
 
 class VirtualClock:
@@ -53,7 +53,7 @@ class SimRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         seconds = self.cost.seconds(out)
         self.clock.advance(seconds)
-        sampled = {c.request.request_id: SampledToken(1 + (c.end % (self.vocab_size - 1)))
+        sampled = {c.request_id: SampledToken(1 + (c.end % (self.vocab_size - 1)))
                    for c in out.chunks if c.samples}
         return RunnerOutput(sampled=sampled, forward_seconds=seconds)
 
@@ -74,5 +74,5 @@ class SimTokenizer:
 def sim_engine(config: SchedulerConfig, cost: StepCost, num_kv_blocks: int = 4096, block_size: int = 16,
                max_model_len: int = 16384) -> Engine:
     clock = VirtualClock()
-    return Engine(config, SimRunner(clock, cost), SimTokenizer(), num_kv_blocks, block_size, max_model_len,
+    return Engine(config, SimRunner(clock, cost), SimTokenizer(), KVLayout(num_kv_blocks, block_size), max_model_len,
                   clock=clock)

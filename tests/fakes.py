@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from typing import Sequence
 
-from tandem.core.step import RunnerOutput, SampledToken, SchedulerOutput
+from tandem.core.step import KVLayout, RunnerOutput, SampledToken, SchedulerOutput
 
 
 class ByteTokenizer:
@@ -30,9 +30,9 @@ class SlotRunner:
     for any batching exactly when the scheduler and block bookkeeping are right.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, vocab: int = 256, eos_after: dict[int, int] | None = None):
-        self.block_size = block_size
-        self.slots: list[int | None] = [None] * (num_blocks * block_size)
+    def __init__(self, layout: KVLayout, vocab: int = 256):
+        self.block_size = layout.block_size
+        self.slots: list[int | None] = [None] * layout.num_slots
         self.vocab = vocab
         self.steps: list[SchedulerOutput] = []
         self.fail_when = None  # callable(SchedulerOutput) -> bool
@@ -53,5 +53,5 @@ class SlotRunner:
                 if None in context:
                     raise AssertionError("read an unwritten KV slot")
                 digest = hashlib.blake2b(bytes(str(context), "ascii"), digest_size=4).digest()
-                sampled[chunk.request.request_id] = SampledToken(int.from_bytes(digest, "little") % self.vocab)
+                sampled[chunk.request_id] = SampledToken(int.from_bytes(digest, "little") % self.vocab)
         return RunnerOutput(sampled=sampled)

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels import native
+from tandem.ops import reference
+from tandem.ops.dispatch import select_ops
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler or no AVX2 on this CPU")
 
@@ -57,20 +59,21 @@ def test_argmax_takes_the_first_of_equal_maxima():
     assert x[:3].argmax(dim=-1).tolist() == [3, 9, 0]
 
 
-def test_usable_only_for_contiguous_float32_cpu_tensors():
-    x = torch.randn(4, 8)
-    assert native.usable(x)
-    assert not native.usable(x.t())
-    assert not native.usable(x.double())
-    assert not native.usable(x, x.bfloat16())
+def test_dispatch_wrappers_take_non_contiguous_inputs():
+    """The op table's kernel entries accept views (a transposed or sliced tensor) as torch does."""
+    ops = select_ops("cpu", torch.float32)
+    assert ops.choices["rms_norm"].impl.startswith("native")
+    x = torch.randn(8, 4).t()  # [4, 8], not contiguous
+    w = torch.randn(8)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6, 0.0), reference.rms_norm(x, w, 1e-6, 0.0),
+                               atol=1e-5, rtol=1e-5)
+    assert torch.equal(ops.argmax_rows(x), x.argmax(dim=-1))
 
 
 @pytest.mark.parametrize("with_norm, offset", [(False, 0.0), (True, 0.0), (True, 1.0)])
 @pytest.mark.parametrize("t", [1, 5, 300])
 def test_qkv_to_cache_matches_norm_rope_and_cache_write(with_norm, offset, t):
     """The fused q/k norm + rotary + cache write against the same steps in torch."""
-    from tandem.models.layers import _rotate_half
-
     torch.manual_seed(t)
     h, kvh, d, slots = 4, 2, 16, 700
     qkv = torch.randn(t, (h + 2 * kvh) * d) * 3
@@ -86,13 +89,19 @@ def test_qkv_to_cache_matches_norm_rope_and_cache_write(with_norm, offset, t):
     if with_norm:
         wq, wk = F.rms_norm(wq, (d,), offset + qw, 1e-6), F.rms_norm(wk, (d,), offset + kw, 1e-6)
     c, s = cos[:, None], sin[:, None]
-    wq, wk = wq * c + _rotate_half(wq) * s, wk * c + _rotate_half(wk) * s
+    wq, wk = wq * c + reference.rotate_half(wq) * s, wk * c + reference.rotate_half(wk) * s
     torch.testing.assert_close(q, wq, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k_cache[where], wk, atol=1e-5, rtol=1e-5)
     assert torch.equal(v_cache[where], wv)
     untouched = torch.ones(slots, dtype=torch.bool)
     untouched[where] = False
     assert torch.all(k_cache[untouched] == 0) and torch.all(v_cache[untouched] == 0)
+    # the plain torch form the dispatch layer falls back to computes the same
+    rk, rv = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    rq = reference.qkv_to_cache(qkv, h, qw, kw, 1e-6, offset, cos, sin, where, rk, rv)
+    torch.testing.assert_close(rq, q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rk, k_cache, atol=1e-5, rtol=1e-5)
+    assert torch.equal(rv, v_cache)
 
 
 def test_kernels_follow_torch_thread_count_on_a_new_thread():

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from tandem.kernels import native
-from tandem.runner import attention
-from tandem.runner.attention import build_metadata, paged_attention, write_kv
+from tandem.ops.paged_attention import build_metadata, paged_attention, write_kv
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler or no AVX2 on this CPU")
 
@@ -68,7 +67,7 @@ def tables_padded(tables: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("sliding", [False, True])
-def test_paged_attention_kernel_equals_gather_path(monkeypatch, sliding):
+def test_paged_attention_kernel_equals_gather_path(sliding):
     """A mixed step (two prompt chunks and three decodes) through ``paged_attention``, with the
     kernel and with the gather + SDPA path; the new tokens' keys are written into the cache first."""
     heads, kv_heads, dim, window = 4, 1, 32, 6
@@ -81,9 +80,8 @@ def test_paged_attention_kernel_equals_gather_path(monkeypatch, sliding):
     meta = build_metadata([(s, n, tables[i]) for i, (s, n) in enumerate(seqs_ctx)], BLOCK, window,
                           torch.device("cpu"))
     write_kv(k, v, k_cache, v_cache, meta)
-    got = paged_attention(q, k_cache, v_cache, meta, 0.3, sliding)
-    monkeypatch.setattr(attention.native, "usable", lambda *tensors: False)
-    want = paged_attention(q, k_cache, v_cache, meta, 0.3, sliding)
+    got = paged_attention(q, k_cache, v_cache, meta, 0.3, sliding, native.decode_attention)
+    want = paged_attention(q, k_cache, v_cache, meta, 0.3, sliding, None)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 

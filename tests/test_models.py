@@ -13,8 +13,8 @@ import torch
 
 from tandem.build import load_model
 from tandem.config import ModelConfig
-from tandem.models.layers import ForwardContext
-from tandem.runner.attention import build_metadata
+from tandem.models.context import ForwardContext
+from tandem.ops.paged_attention import build_metadata
 from tiny_models import VOCAB, save_tiny
 
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma3"]

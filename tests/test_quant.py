@@ -17,9 +17,9 @@ from tandem.build import load_model
 from tandem.config import ModelConfig
 from tandem.kernels import native
 from tandem.models import quant
-from tandem.models.layers import ForwardContext
+from tandem.models.context import ForwardContext
 from tandem.models.quant import Int8Linear, int8_matmul, quantize_activations, quantize_rows
-from tandem.runner.attention import build_metadata
+from tandem.ops.paged_attention import build_metadata
 from tiny_models import VOCAB, save_tiny
 
 needs_kernel = pytest.mark.skipif(not native.available(), reason="no C compiler or no AVX2 on this CPU")
@@ -93,13 +93,11 @@ def test_quantize_activations_rounds_each_block_to_int8_steps():
 def test_int8_matmul_paths_agree(monkeypatch, w8a8, m, k, kernels):
     if kernels and not native.available():
         pytest.skip("no native kernel here")
-    if not kernels:
-        monkeypatch.setattr(native, "available", lambda: False)
     monkeypatch.setattr(quant, "DEQUANT_ELEMENTS", 64 * k)  # several row blocks even for a small weight
     torch.manual_seed(2)
     q, s = quantize_rows(torch.randn(200, k))
     x = torch.randn(3, m, k)  # leading dimensions are kept
-    got = int8_matmul(x, q, s, w8a8=w8a8)
+    got = int8_matmul(x, q, s, w8a8=w8a8, kernels=kernels)
     assert got.shape == (3, m, 200)
     x2 = x.reshape(-1, k)
     want = (quantize_activations(x2) if w8a8 else x2) @ dequantized(q, s).t()
@@ -155,7 +153,7 @@ def test_int8_model_equals_float_model_with_rounded_weights(tmp_path, family):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_w8a8_model_kernel_equals_plain_torch(monkeypatch, tmp_path, family):
+def test_w8a8_model_kernel_equals_plain_torch(tmp_path, family):
     """The whole w8a8 model on the kernels against the same model on the plain torch path."""
     save_tiny(family, tmp_path)
     w8a8 = load_model(ModelConfig(model=str(tmp_path), dtype="float32", device="cpu", quantization="w8a8"))
@@ -163,11 +161,13 @@ def test_w8a8_model_kernel_equals_plain_torch(monkeypatch, tmp_path, family):
     assert all(m.w8a8 for m in w8a8.model.modules() if isinstance(m, Int8Linear))
     ids = torch.randint(3, VOCAB, (37,))
     got = _logits(w8a8, ids)
-    monkeypatch.setattr(native, "available", lambda: False)
+    plain_torch = load_model(ModelConfig(model=str(tmp_path), dtype="float32", device="cpu", quantization="w8a8",
+                                         kernels="torch"))
+    assert not any(m.kernels for m in plain_torch.model.modules() if isinstance(m, Int8Linear))
     # Float rounding differs between the paths, and now and then it moves an activation across a
     # rounding boundary of its int8 step; later layers carry that on, so the bound is looser
     # than one layer's (a wrong kernel is off by whole units).
-    torch.testing.assert_close(got, _logits(w8a8, ids), atol=1e-2, rtol=1e-3)
+    torch.testing.assert_close(got, _logits(plain_torch, ids), atol=1e-2, rtol=1e-3)
     # The activations really were rounded: close to weight-only int8, not equal to it.
     weight_only = _logits(int8, ids)
     assert not torch.allclose(got, weight_only, atol=1e-5)

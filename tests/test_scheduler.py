@@ -12,6 +12,7 @@ from tandem.config import SchedulerConfig
 from tandem.core.engine import Engine
 from tandem.core.policies import POLICY_REGISTRY
 from tandem.core.request import SamplingParams
+from tandem.core.step import KVLayout
 from tandem.config import POLICIES
 
 
@@ -26,8 +27,9 @@ class VirtualClock:
 
 def make_engine(policy="chunked", num_blocks=256, block_size=4, max_model_len=512, **sched):
     config = SchedulerConfig(policy=policy, **sched)
-    runner = SlotRunner(num_blocks, block_size)
-    engine = Engine(config, runner, ByteTokenizer(), num_blocks, block_size, max_model_len, clock=VirtualClock())
+    layout = KVLayout(num_blocks, block_size)
+    runner = SlotRunner(layout)
+    engine = Engine(config, runner, ByteTokenizer(), layout, max_model_len, clock=VirtualClock())
     return engine, runner
 
 
@@ -118,7 +120,7 @@ def test_chunked_respects_budget_and_puts_decodes_first():
         saw_mixed |= out.kind == "mixed"
     assert saw_mixed
     # a 60-token prompt cannot fit one 16-token step: it was split into chunks
-    assert any(c.num_tokens < c.request.num_prompt_tokens and not c.samples for o in runner.steps for c in o.chunks)
+    assert any(c.num_tokens < c.num_prompt_tokens and not c.samples for o in runner.steps for c in o.chunks)
 
 
 def test_long_prefill_caps():
@@ -131,13 +133,13 @@ def test_long_prefill_caps():
     engine.add_request(list(range(5)), SamplingParams(max_tokens=2), request_id="short")
     run_all(engine)
     for out in runner.steps:
-        long_chunks = [c for c in out.chunks if c.request.num_prompt_tokens > 10 and not c.is_decode]
+        long_chunks = [c for c in out.chunks if c.num_prompt_tokens > 10 and not c.is_decode]
         assert all(c.num_tokens <= 10 for c in long_chunks)
-        assert len({c.request.request_id for c in long_chunks}) <= 1
+        assert len({c.request_id for c in long_chunks}) <= 1
     first = {}
     for i, out in enumerate(runner.steps):
         for c in out.chunks:
-            first.setdefault(c.request.request_id, i)
+            first.setdefault(c.request_id, i)
     assert first["short"] == 0  # the short prompt passed the second long one
     assert first["long2"] > first["short"]
 
@@ -203,7 +205,7 @@ def test_abort_frees_blocks_and_others_continue():
 
 def test_failed_step_fails_only_its_requests():
     engine, runner = make_engine("prefill-first", max_num_seqs=1, max_num_batched_tokens=64)
-    runner.fail_when = lambda out: any(c.request.request_id == "bad" for c in out.chunks)
+    runner.fail_when = lambda out: any(c.request_id == "bad" for c in out.chunks)
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True), request_id="bad")
     engine.add_request([4, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True), request_id="good")
     done = run_all(engine)

@@ -18,7 +18,7 @@ from tandem.core.kv_blocks import BlockAllocator
 from tandem.core.outputs import ChunkStat, RequestOutput, StepStats
 from tandem.core.request import FinishReason, Request, SamplingParams
 from tandem.core.scheduler import Scheduler
-from tandem.core.step import RunnerOutput, SchedulerOutput
+from tandem.core.step import KVLayout, RunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,7 @@ class Engine:
         scheduler_config: SchedulerConfig,
         runner: Runner,
         tokenizer: TokenizerLike,
-        num_kv_blocks: int,
-        block_size: int,
+        kv_layout: KVLayout,
         max_model_len: int,
         clock: Callable[[], float] = time.monotonic,
         on_step: Callable[[StepStats], None] | None = None,
@@ -53,7 +52,7 @@ class Engine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.allocator = BlockAllocator(num_kv_blocks, block_size)
+        self.allocator = BlockAllocator(kv_layout)
         self.scheduler = Scheduler(scheduler_config, self.allocator, clock)
         self.step_stats: list[StepStats] = []
         self.record_steps = record_steps  # a long-running server keeps none; on_step sees each
@@ -226,7 +225,7 @@ class Engine:
             num_running=self.num_running,
             error=error,
             chunks=tuple(
-                ChunkStat(c.request.request_id, c.start, c.num_tokens, c.is_decode, c.samples) for c in out.chunks
+                ChunkStat(c.request_id, c.start, c.num_tokens, c.is_decode, c.samples) for c in out.chunks
             ),
         )
         if self.record_steps:

@@ -1,24 +1,25 @@
 """Paged KV-cache bookkeeping: which blocks each request holds.
 
-The KV tensors themselves live in the runner; this allocator only hands out block ids. A
-request's block table maps its token position ``p`` to slot ``table[p // block_size]`` and
-offset ``p % block_size``. Blocks carry reference counts so that sharing (a prefix cache)
-can be added without changing the contract; today every block has at most one owner.
+The KV tensors themselves live in the runner; this allocator only hands out block ids. Both
+read the cache's geometry from one ``KVLayout`` (``tandem.core.step``). Blocks carry reference
+counts so that sharing (a prefix cache) can be added without changing the contract; today every
+block has at most one owner.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from tandem.core.step import KVLayout
+
 
 class BlockAllocator:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        if num_blocks <= 0 or block_size <= 0:
-            raise ValueError("num_blocks and block_size must be positive")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
-        self._ref_counts = [0] * num_blocks
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self.num_blocks = layout.num_blocks
+        self.block_size = layout.block_size
+        self._free: deque[int] = deque(range(self.num_blocks))
+        self._ref_counts = [0] * self.num_blocks
         self._tables: dict[str, list[int]] = {}
 
     # --- queries -------------------------------------------------------------------------
@@ -35,7 +36,7 @@ class BlockAllocator:
         return self.num_used_blocks / self.num_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return self.layout.blocks_for(num_tokens)
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
@@ -46,9 +47,6 @@ class BlockAllocator:
     def blocks_missing(self, request_id: str, num_tokens: int) -> int:
         """How many more blocks ``request_id`` needs to hold ``num_tokens`` tokens of KV."""
         return max(0, self.blocks_for(num_tokens) - self.num_blocks_held(request_id))
-
-    def can_grow(self, request_id: str, num_tokens: int, reserve: int = 0) -> bool:
-        return self.blocks_missing(request_id, num_tokens) + reserve <= len(self._free)
 
     # --- changes -------------------------------------------------------------------------
     def grow(self, request_id: str, num_tokens: int) -> bool:

@@ -14,71 +14,72 @@ by ``max_num_seqs`` and the KV cache) in one step, as one padded ``generate()`` 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Callable, Protocol
 
-from tandem.config import SchedulerConfig
+from tandem.core.budget import StepBudget
+from tandem.core.queues import RequestQueues
 from tandem.core.request import Request, RequestStatus
 
-if TYPE_CHECKING:
-    from tandem.core.scheduler import Scheduler, StepBuilder
+
+class PolicySettings(Protocol):
+    """What a policy reads of the scheduler's configuration (``tandem.config.SchedulerConfig``)."""
+
+    long_prefill_token_threshold: int
+    max_long_partial_prefills: int
 
 
 class Policy(Protocol):
     name: str
 
-    def schedule(self, s: "Scheduler", b: "StepBuilder") -> None: ...
+    def schedule(self, queues: RequestQueues, budget: StepBudget) -> None: ...
 
 
-def _by_rank(requests: list[Request]) -> list[Request]:
-    return sorted(requests, key=Request.sort_key)
-
-
-def _decode_running(s: "Scheduler", b: "StepBuilder") -> None:
-    for request in _by_rank(s.running):
+def _decode_running(queues: RequestQueues, budget: StepBudget) -> None:
+    for request in queues.ranked_running():
         if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
             continue
-        if b.tokens_left <= 0:
+        if budget.tokens_left <= 0:
             break
-        b.schedule_running(request, min(request.num_uncomputed_tokens, b.tokens_left))
+        budget.schedule_running(request, min(request.num_uncomputed_tokens, budget.tokens_left))
 
 
-def _admit_whole_prompts(s: "Scheduler", b: "StepBuilder", reserve_output: bool, token_budget: bool) -> None:
-    for request in list(s.waiting):
+def _admit_whole_prompts(queues: RequestQueues, budget: StepBudget, reserve_output: bool, token_budget: bool) -> None:
+    for request in list(queues.waiting):
         n = request.num_uncomputed_tokens
-        if token_budget and b.chunks and n > b.tokens_left:
+        if token_budget and budget.planned and n > budget.tokens_left:
             break
         reserve = request.max_tokens_needed if reserve_output else None
-        if not b.admit(request, n, reserve_tokens=reserve):
+        if not budget.admit(request, n, reserve_tokens=reserve):
             break
 
 
 class StaticPolicy:
     name = "static"
 
-    def schedule(self, s: "Scheduler", b: "StepBuilder") -> None:
-        if s.running:
-            _decode_running(s, b)
+    def schedule(self, queues: RequestQueues, budget: StepBudget) -> None:
+        if queues.running:
+            _decode_running(queues, budget)
         else:
             # One padded batch, as a plain generate() call forms it: seats and KV bound it,
             # not the per-step token budget.
-            _admit_whole_prompts(s, b, reserve_output=True, token_budget=False)
+            _admit_whole_prompts(queues, budget, reserve_output=True, token_budget=False)
 
 
 class PrefillFirstPolicy:
     name = "prefill-first"
 
-    def schedule(self, s: "Scheduler", b: "StepBuilder") -> None:
-        _admit_whole_prompts(s, b, reserve_output=False, token_budget=True)
-        if not b.chunks:
-            _decode_running(s, b)
+    def schedule(self, queues: RequestQueues, budget: StepBudget) -> None:
+        _admit_whole_prompts(queues, budget, reserve_output=False, token_budget=True)
+        if not budget.planned:
+            _decode_running(queues, budget)
 
 
 class ChunkedPolicy:
     name = "chunked"
 
-    def __init__(self, config: SchedulerConfig) -> None:
-        self.threshold = config.long_prefill_token_threshold
-        self.max_long = config.max_long_partial_prefills
+    def __init__(self, settings: PolicySettings) -> None:
+        self.threshold = settings.long_prefill_token_threshold
+        self.max_long = settings.max_long_partial_prefills
 
     def _is_long(self, request: Request) -> bool:
         return self.threshold > 0 and request.num_tokens > self.threshold
@@ -87,42 +88,43 @@ class ChunkedPolicy:
         n = min(request.num_uncomputed_tokens, tokens_left)
         return min(n, self.threshold) if self._is_long(request) else n
 
-    def schedule(self, s: "Scheduler", b: "StepBuilder") -> None:
-        ranked = _by_rank(s.running)
+    def schedule(self, queues: RequestQueues, budget: StepBudget) -> None:
+        ranked = queues.ranked_running()
         # 1. Decodes first: a running stream never waits for somebody else's prompt.
         for request in ranked:
-            if b.tokens_left <= 0:
+            if budget.tokens_left <= 0:
                 break
             if request.status is RequestStatus.RUNNING and not request.is_prefilling:
-                b.schedule_running(request, 1)
+                budget.schedule_running(request, 1)
         # 2. Prompts already part-way through their prefill.
         for request in ranked:
-            if b.tokens_left <= 0:
+            if budget.tokens_left <= 0:
                 break
-            if request.status is RequestStatus.RUNNING and not b.is_scheduled(request):
-                b.schedule_running(request, self._chunk(request, b.tokens_left))
+            if request.status is RequestStatus.RUNNING and not budget.is_scheduled(request):
+                budget.schedule_running(request, self._chunk(request, budget.tokens_left))
         # 3. New prompts, in rank order; long ones wait while the long-prefill cap is reached.
-        long_active = sum(1 for r in s.running if r.is_prefilling and self._is_long(r))
-        for request in list(s.waiting):
-            if b.tokens_left <= 0 or len(s.running) >= s.config.max_num_seqs:
+        long_active = sum(1 for r in queues.running if r.is_prefilling and self._is_long(r))
+        for request in list(queues.waiting):
+            if budget.tokens_left <= 0 or not budget.has_seat:
                 break
             is_long = self._is_long(request)
             if is_long and self.max_long and long_active >= self.max_long:
                 continue
-            if not b.admit(request, self._chunk(request, b.tokens_left)):
+            if not budget.admit(request, self._chunk(request, budget.tokens_left)):
                 break
             long_active += is_long
 
 
-POLICY_REGISTRY: dict[str, Callable[[SchedulerConfig], Policy]] = {
-    "static": lambda config: StaticPolicy(),
-    "prefill-first": lambda config: PrefillFirstPolicy(),
+POLICY_REGISTRY: dict[str, Callable[[PolicySettings], Policy]] = {
+    "static": lambda settings: StaticPolicy(),
+    "prefill-first": lambda settings: PrefillFirstPolicy(),
     "chunked": ChunkedPolicy,
 }
+"""Policy name -> factory; the only list of policies (``tandem.config`` and the CLI read it)."""
 
 
-def make_policy(config: SchedulerConfig) -> Policy:
+def make_policy(name: str, settings: PolicySettings) -> Policy:
     try:
-        return POLICY_REGISTRY[config.policy](config)
+        return POLICY_REGISTRY[name](settings)
     except KeyError:
-        raise ValueError(f"policy: unknown policy {config.policy!r}") from None
+        raise ValueError(f"policy: unknown policy {name!r}") from None

@@ -1,4 +1,4 @@
-"""A request and its sampling parameters.
+"""A request: its tokens, its progress and its timing.
 
 Progress is kept as counters, not as a phase flag: ``num_computed_tokens`` of ``num_tokens``
 (prompt + output) have their KV in the cache. A step schedules the next slice of uncomputed
@@ -9,63 +9,10 @@ chunk, a decode and a recompute after preemption are all the same operation.
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
-from typing import Sequence
 
+from tandem.core.sampling_params import SamplingParams
 from tandem.latency import itls
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop: Sequence[str] = ()
-    stop_token_ids: Sequence[int] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    """Return the sampled token's logprob and this many top alternatives (0: sampled only)."""
-    include_stop_str_in_output: bool = False
-
-    def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = (self.stop,)
-        self.stop = tuple(self.stop)
-        self.stop_token_ids = tuple(self.stop_token_ids)
-        self.validate()
-
-    def validate(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens: must be a positive integer, got {self.max_tokens!r}")
-        if not _is_number(self.temperature) or self.temperature < 0 or not math.isfinite(self.temperature):
-            raise ValueError(f"temperature: must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1 or self.top_k == 0:
-            raise ValueError(f"top_k: must be -1 (disabled) or a positive integer, got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed: must be an integer, got {self.seed!r}")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop: must be non-empty strings, got {self.stop!r}")
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids: must be non-negative integers, got {self.stop_token_ids!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs: must be an integer in [0, 20], got {self.logprobs!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class RequestStatus(enum.Enum):
@@ -163,10 +110,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
-
-    def token_at(self, index: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
 
     def token_slice(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)

@@ -1,21 +1,27 @@
 """The scheduler: queues, admission, preemption, and the step loop's bookkeeping.
 
-``schedule()`` asks the configured policy which tokens the next step computes and returns a
-``SchedulerOutput``; ``update()`` takes the runner's sampled tokens back, advances each
+``schedule()`` hands the configured policy a fresh ``StepBudget`` and turns what it planned into a
+plain-data ``SchedulerOutput``; ``update()`` takes the runner's sampled tokens back, advances each
 request's counters and finishes requests that hit a token-level stop. The policies differ only
 in how they spend a step's budget (see ``policies.py``); admission, block reservation and
-preemption are shared here so that every policy obeys the same invariants.
+preemption live in the budget so that every policy obeys the same invariants.
 """
 
 from __future__ import annotations
 
-import bisect
 from typing import Callable
 
 from tandem.config import SchedulerConfig
+from tandem.core.budget import StepBudget
 from tandem.core.kv_blocks import BlockAllocator
+from tandem.core.policies import make_policy
+from tandem.core.queues import RequestQueues
 from tandem.core.request import FinishReason, Request, RequestStatus
 from tandem.core.step import RunnerOutput, ScheduledChunk, SchedulerOutput
+
+# Keep 1/WATERMARK_DIVISOR of the blocks free at admission (at least one), so that a fresh prefill does not
+# force an immediate preemption on the next decode step.
+WATERMARK_DIVISOR = 100
 
 
 class RequestRejected(ValueError):
@@ -24,23 +30,27 @@ class RequestRejected(ValueError):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, clock: Callable[[], float]):
-        from tandem.core.policies import make_policy
-
         config.validate()
         self.config = config
         self.allocator = allocator
         self.clock = clock
-        self.policy = make_policy(config)
-        self.waiting: list[Request] = []  # sorted by Request.sort_key
-        self.running: list[Request] = []
+        self.policy = make_policy(config.policy, config)
+        self.queues = RequestQueues()
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
         self._step_id = 0
         self._finished_since_step: list[str] = []
-        # Keep ~1% of blocks free at admission so that a fresh prefill does not force an
-        # immediate preemption on the next decode step.
-        self.watermark_blocks = max(1, allocator.num_blocks // 100)
+        self._in_flight: dict[str, Request] = {}  # the requests of the step being run
+        self.watermark_blocks = max(1, allocator.num_blocks // WATERMARK_DIVISOR)
         self.num_preemptions = 0
+
+    @property
+    def waiting(self) -> list[Request]:
+        return self.queues.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.queues.running
 
     # --- requests in and out ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -49,9 +59,8 @@ class Scheduler:
         self.check_fits(request)
         request.arrival_index = self._arrivals
         self._arrivals += 1
-        request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self._enqueue_waiting(request)
+        self.queues.enqueue(request)
 
     def check_fits(self, request: Request) -> None:
         """Reject, at admission, a request that could never fit in the whole KV cache."""
@@ -74,10 +83,7 @@ class Scheduler:
     def finish(self, request: Request, reason: FinishReason) -> None:
         if request.is_finished:
             return
-        if request.status is RequestStatus.WAITING:
-            self.waiting.remove(request)
-        else:
-            self.running.remove(request)
+        self.queues.remove(request)
         self.allocator.free(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -86,23 +92,43 @@ class Scheduler:
         self._finished_since_step.append(request.request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.queues)
 
     # --- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self._step_id += 1
-        builder = StepBuilder(self)
-        self.policy.schedule(self, builder)
+        budget = StepBudget(
+            self.config.max_num_batched_tokens, self.config.max_num_seqs, self.allocator, self.queues,
+            self.watermark_blocks,
+        )
+        self.policy.schedule(self.queues, budget)
+        self.num_preemptions += len(budget.preempted)
         now = self.clock()
-        for chunk in builder.chunks:
-            if chunk.request.timing.first_scheduled is None:
-                chunk.request.timing.first_scheduled = now
+        chunks = []
+        self._in_flight = {}
+        for p in budget.planned:
+            request = p.request
+            if request.timing.first_scheduled is None:
+                request.timing.first_scheduled = now
+            end = p.start + p.num_tokens
+            samples = end == request.num_tokens
+            chunks.append(ScheduledChunk(
+                request_id=request.request_id,
+                start=p.start,
+                token_ids=tuple(request.token_slice(p.start, end)),
+                block_table=tuple(self.allocator.block_table(request.request_id)),
+                sampling=request.params,
+                samples=samples,
+                is_decode=p.num_tokens == 1 and samples and request.num_output_tokens > 0,
+                num_prompt_tokens=request.num_prompt_tokens,
+            ))
+            self._in_flight[request.request_id] = request
         finished, self._finished_since_step = self._finished_since_step, []
         return SchedulerOutput(
             step_id=self._step_id,
-            chunks=builder.chunks,
-            preempted_ids=builder.preempted_ids,
-            finished_ids=finished,
+            chunks=tuple(chunks),
+            preempted_ids=tuple(r.request_id for r in budget.preempted),
+            finished_ids=tuple(finished),
         )
 
     def update(self, output: SchedulerOutput, result: RunnerOutput) -> list[Request]:
@@ -110,7 +136,7 @@ class Scheduler:
         now = self.clock()
         touched: list[Request] = []
         for chunk in output.chunks:
-            request = chunk.request
+            request = self._in_flight[chunk.request_id]
             if request.is_finished:  # aborted while the step ran
                 continue
             request.num_computed_tokens = chunk.end
@@ -127,18 +153,20 @@ class Scheduler:
             reason = self._token_stop(request, sampled.token_id)
             if reason is not None:
                 self.finish(request, reason)
+        self._in_flight = {}
         return touched
 
     def fail_step(self, output: SchedulerOutput) -> list[Request]:
         """The step raised: finish its requests with an error; nothing else is touched."""
         failed = []
         for chunk in output.chunks:
-            if not chunk.request.is_finished:
-                self.finish(chunk.request, FinishReason.ERROR)
-                failed.append(chunk.request)
+            request = self._in_flight[chunk.request_id]
+            if not request.is_finished:
+                self.finish(request, FinishReason.ERROR)
+                failed.append(request)
+        self._in_flight = {}
         return failed
 
-    # --- helpers shared by the policies ----------------------------------------------------
     def _token_stop(self, request: Request, token_id: int) -> FinishReason | None:
         params = request.params
         if token_id in params.stop_token_ids:
@@ -149,102 +177,18 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    def _enqueue_waiting(self, request: Request) -> None:
-        keys = [r.sort_key() for r in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, request.sort_key()), request)
-
-    def preempt(self, request: Request) -> None:
-        """Free a running request's blocks; it recomputes its tokens when readmitted."""
-        self.running.remove(request)
-        self.allocator.free(request.request_id)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.WAITING
-        request.timing.num_preemptions += 1
-        self.num_preemptions += 1
-        self._enqueue_waiting(request)
-
+    # --- invariants ------------------------------------------------------------------------
     def check_invariants(self) -> None:
         self.allocator.check_invariants()
         for request in self.waiting:
+            if request.status is not RequestStatus.WAITING:
+                raise AssertionError(f"request {request.request_id} in the waiting queue is {request.status.value}")
             if self.allocator.num_blocks_held(request.request_id):
                 raise AssertionError(f"waiting request {request.request_id} holds blocks")
         for request in self.running:
+            if request.status is not RequestStatus.RUNNING:
+                raise AssertionError(f"request {request.request_id} in the running queue is {request.status.value}")
             if self.allocator.num_blocks_held(request.request_id) < self.allocator.blocks_for(
                 request.num_computed_tokens
             ):
                 raise AssertionError(f"running request {request.request_id} lacks blocks for its KV")
-
-
-class StepBuilder:
-    """Spends one step's budget. The policies call ``schedule_running`` and ``admit``."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.s = scheduler
-        self.tokens_left = scheduler.config.max_num_batched_tokens
-        self.chunks: list[ScheduledChunk] = []
-        self.preempted_ids: list[str] = []
-        self._scheduled: set[str] = set()
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.chunks)
-
-    def is_scheduled(self, request: Request) -> bool:
-        return request.request_id in self._scheduled
-
-    def schedule_running(self, request: Request, num_tokens: int) -> bool:
-        """Schedule ``num_tokens`` more of a running request, preempting lower-priority running
-        requests that are not yet in this step if blocks run out. False if ``request`` itself
-        had to be preempted."""
-        s = self.s
-        target = request.num_computed_tokens + num_tokens
-        while not s.allocator.grow(request.request_id, target):
-            victim = self._pick_victim(exclude=request)
-            if victim is None:
-                s.preempt(request)
-                self.preempted_ids.append(request.request_id)
-                return False
-            s.preempt(victim)
-            self.preempted_ids.append(victim.request_id)
-        self._add(request, num_tokens)
-        return True
-
-    def admit(self, request: Request, num_tokens: int, reserve_tokens: int | None = None) -> bool:
-        """Move a waiting request to running and schedule its first ``num_tokens``; never
-        preempts. ``reserve_tokens`` reserves KV for that many tokens up front (static)."""
-        s = self.s
-        if len(s.running) >= s.config.max_num_seqs:
-            return False
-        target = max(request.num_computed_tokens + num_tokens, reserve_tokens or 0)
-        missing = s.allocator.blocks_missing(request.request_id, target)
-        if missing + s.watermark_blocks > s.allocator.num_free_blocks and s.running:
-            return False
-        if not s.allocator.grow(request.request_id, target):
-            return False
-        s.waiting.remove(request)
-        s.running.append(request)
-        request.status = RequestStatus.RUNNING
-        self._add(request, num_tokens)
-        return True
-
-    def _add(self, request: Request, num_tokens: int) -> None:
-        self.chunks.append(
-            ScheduledChunk(
-                request=request,
-                start=request.num_computed_tokens,
-                num_tokens=num_tokens,
-                block_table=self.s.allocator.block_table(request.request_id),
-            )
-        )
-        self._scheduled.add(request.request_id)
-        self.tokens_left -= num_tokens
-
-    def _pick_victim(self, exclude: Request) -> Request | None:
-        # Only requests that rank below ``exclude`` may be preempted for it, so the request
-        # that ranks first always makes progress (no livelock).
-        candidates = [
-            r
-            for r in self.s.running
-            if r.request_id not in self._scheduled and r.sort_key() > exclude.sort_key()
-        ]
-        return max(candidates, key=Request.sort_key, default=None)

@@ -1,48 +1,80 @@
 """What one step computes: the scheduler's output and the runner's answer.
 
-This is the whole contract between the scheduling core and the model runner.
+This is the whole contract between the scheduling core and the model runner, and it is plain
+data: the runner is told request ids, token ids, positions, block tables and sampling parameters,
+never a live ``Request``, so nothing it reads can change under it while the step runs and either
+side can be replaced (the simulator replaces the runner).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.core.request import Request, TokenLogprob
+from tandem.core.request import SamplingParams, TokenLogprob
 
 
-@dataclass
-class ScheduledChunk:
-    """Compute KV for positions ``[start, start + num_tokens)`` of ``request``."""
+@dataclass(frozen=True)
+class KVLayout:
+    """The paged KV cache's geometry, shared by the block allocator (ids) and the runner (tensors).
 
-    request: Request
-    start: int
-    num_tokens: int
-    block_table: list[int]
-    samples: bool = field(init=False)
-    """The chunk reaches the request's last token, so the step samples its next token."""
-    is_decode: bool = field(init=False)
-    """One token of a request that already has output (not a prompt or a recompute)."""
+    A request's block table maps its token position ``p`` to cache slot
+    ``table[p // block_size] * block_size + p % block_size``."""
+
+    num_blocks: int
+    block_size: int
 
     def __post_init__(self) -> None:
-        # Fixed at scheduling time: the request grows once the step's token is appended.
-        self.samples = self.end == self.request.num_tokens
-        self.is_decode = self.num_tokens == 1 and self.samples and self.request.num_output_tokens > 0
+        for name in ("num_blocks", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Compute KV for positions ``[start, start + num_tokens)`` of one request."""
+
+    request_id: str
+    start: int
+    token_ids: tuple[int, ...]
+    """The tokens at those positions."""
+    block_table: tuple[int, ...]
+    """The request's cache blocks, covering at least ``end`` positions."""
+    sampling: SamplingParams
+    """How to sample the next token (read only when ``samples``)."""
+    samples: bool
+    """The chunk reaches the request's last token, so the step samples its next token."""
+    is_decode: bool
+    """One token of a request that already has output (not a prompt or a recompute)."""
+    num_prompt_tokens: int
+    """Prompt length of the request: positions below it are prompt, the rest output."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
     @property
     def end(self) -> int:
-        return self.start + self.num_tokens
+        return self.start + len(self.token_ids)
 
     @property
-    def token_ids(self) -> list[int]:
-        return self.request.token_slice(self.start, self.end)
+    def positions(self) -> range:
+        return range(self.start, self.end)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerOutput:
     step_id: int
-    chunks: list[ScheduledChunk]
-    preempted_ids: list[str] = field(default_factory=list)
-    finished_ids: list[str] = field(default_factory=list)
+    chunks: tuple[ScheduledChunk, ...]
+    preempted_ids: tuple[str, ...] = ()
+    finished_ids: tuple[str, ...] = ()
     """Requests that ended since the previous step: the runner drops their state."""
 
     @property
@@ -80,7 +112,7 @@ class SampledToken:
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, SampledToken]
+    sampled: dict[str, SampledToken] = field(default_factory=dict)
     """One entry per chunk that samples, keyed by request id."""
     forward_seconds: float = 0.0
     """Time inside the model's forward pass and output layer; the rest of a step (scheduling, batch

@@ -3,7 +3,7 @@
 The library is compiled once per source digest with the system C compiler (``cc``/``gcc``) into
 tandem's cache directory and loaded with ctypes; torch tensors are passed by data pointer.
 Nothing here is required: ``available()`` is False without a compiler or without AVX2/FMA, and
-callers then use their plain torch path.
+``tandem.ops.dispatch`` then chooses the plain torch path (``unavailable_reason()`` says why).
 """
 
 from __future__ import annotations
@@ -21,11 +21,15 @@ from pathlib import Path
 
 import torch
 
+from tandem.paths import default_cache_dir
+
 log = logging.getLogger("tandem.kernels")
 SOURCES = tuple(
     Path(__file__).with_name(name) for name in ("int8_gemm.c", "cpu_ops.c", "decode_attention.c", "threads.c")
 )
 LIBRARY = "tandem_kernels"
+ISA = "avx2"
+"""The instruction set the library is compiled for (named in the op choices)."""
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -34,8 +38,6 @@ def cpu_has_avx2() -> bool:
 
 
 def _cache_dir() -> Path:
-    from tandem.weights.cache import default_cache_dir
-
     return default_cache_dir() / "kernels"
 
 
@@ -71,23 +73,27 @@ def build(sources: Path | tuple[Path, ...] = SOURCES, out_dir: Path | None = Non
     return lib
 
 
+_why_off: list[str] = []  # why _library() found no library, once it has looked
+
+
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("TANDEM_NO_KERNELS"):
+        _why_off.append("TANDEM_NO_KERNELS is set")
         return None
     if not cpu_has_avx2():
+        _why_off.append("this CPU has no AVX2")
         log.info("native kernels off: this CPU has no AVX2")
         return None
     try:
         lib = ctypes.CDLL(str(build()))
     except (RuntimeError, OSError) as exc:
+        _why_off.append(str(exc).splitlines()[0])
         log.warning("native kernels off, using the plain torch path: %s", exc)
         return None
     ptr, size = ctypes.c_void_p, ctypes.c_long
     lib.tandem_set_threads.argtypes = [ctypes.c_int]
     lib.tandem_set_threads.restype = None
-    lib.tandem_threads.argtypes = []
-    lib.tandem_threads.restype = ctypes.c_int
     lib.tandem_gemm_i8.argtypes = [ptr, ptr, ptr, ptr, size, size, size]
     lib.tandem_gemm_i8.restype = None
     lib.tandem_gemm_w8a8.argtypes = [ptr, ptr, ptr, ptr, size, size, size, ptr, ptr]
@@ -111,6 +117,11 @@ def _library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return _library() is not None
+
+
+def unavailable_reason() -> str:
+    """Why ``available()`` is False ('' when it is True)."""
+    return "" if available() else (_why_off[-1] if _why_off else "unknown")
 
 
 _thread = threading.local()
@@ -158,16 +169,8 @@ def dequant_i8(weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, n0:
     return out[: n1 - n0]
 
 
-def usable(*tensors: torch.Tensor) -> bool:
-    """Whether the float32 kernels below can take these tensors: kernels built, every tensor a
-    contiguous float32 CPU tensor."""
-    return available() and all(
-        t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors
-    )
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
-    """RMS norm over the last dimension, times ``offset + weight``; see ``usable``."""
+    """RMS norm over the last dimension, times ``offset + weight``; float32, contiguous, CPU."""
     out = torch.empty_like(x)
     d = x.shape[-1]
     _lib().tandem_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // d, d, eps, offset)
@@ -178,7 +181,7 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
 def act_mul(gate_up: torch.Tensor, kind: str) -> torch.Tensor:
-    """``act(gate) * up`` for ``gate_up`` [..., 2 * I] holding gate then up; see ``usable``."""
+    """``act(gate) * up`` for ``gate_up`` [..., 2 * I] holding gate then up; float32, contiguous, CPU."""
     i = gate_up.shape[-1] // 2
     out = gate_up.new_empty(*gate_up.shape[:-1], i)
     _lib().tandem_act_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * i), i, ACTIVATIONS[kind])

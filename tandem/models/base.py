@@ -5,19 +5,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.models.layers import ForwardContext, RMSNorm, RotaryEmbedding
+from tandem.models.context import ForwardContext
+from tandem.models.layers import RMSNorm, RotaryEmbedding
 from tandem.models.spec import ModelSpec
+from tandem.ops.dispatch import REFERENCE, OpTable
 
 
 class CausalLM(nn.Module):
     """Subclasses build ``self.model.layers``; the forward pass is the same for all."""
 
-    def __init__(self, spec: ModelSpec, max_positions: int) -> None:
+    def __init__(self, spec: ModelSpec, max_positions: int, ops: OpTable = REFERENCE) -> None:
         super().__init__()
         self.spec = spec
+        self.ops = ops
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.model.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, unit_offset=spec.family == "gemma3")
+        self.model.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, unit_offset=bool(spec.norm_unit_offset), ops=ops)
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim, max_positions)
         if spec.tie_word_embeddings:
             self.lm_head = None

@@ -7,20 +7,22 @@ import torch
 from torch import nn
 
 from tandem.models.base import CausalLM
-from tandem.models.layers import Attention, ForwardContext, GatedMLP, RMSNorm, RotaryEmbedding
+from tandem.models.context import ForwardContext
+from tandem.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
 from tandem.models.spec import ModelSpec
+from tandem.ops.dispatch import OpTable
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, spec: ModelSpec, layer: int, rotary: RotaryEmbedding, ops: OpTable) -> None:
         super().__init__()
         eps = spec.rms_norm_eps
-        self.self_attn = Attention(spec, layer, rotary)
-        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.hidden_act)
-        self.input_layernorm = RMSNorm(spec.hidden_size, eps, unit_offset=True)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps, unit_offset=True)
-        self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, eps, unit_offset=True)
-        self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, eps, unit_offset=True)
+        self.self_attn = Attention(spec, layer, rotary, ops)
+        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.hidden_act, ops)
+        self.input_layernorm = RMSNorm(spec.hidden_size, eps, unit_offset=True, ops=ops)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps, unit_offset=True, ops=ops)
+        self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, eps, unit_offset=True, ops=ops)
+        self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, eps, unit_offset=True, ops=ops)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ctx))
@@ -28,12 +30,12 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3ForCausalLM(CausalLM):
-    def __init__(self, spec: ModelSpec, max_positions: int) -> None:
-        super().__init__(spec, max_positions)
+    def __init__(self, spec: ModelSpec, max_positions: int, ops: OpTable) -> None:
+        super().__init__(spec, max_positions, ops)
         assert spec.rope_local is not None, "gemma3 spec without a local rope"
         self.rotary_local = RotaryEmbedding(spec.rope_local, spec.head_dim, max_positions)
         self.model.layers = nn.ModuleList(
-            Gemma3DecoderLayer(spec, i, self.rotary_local if spec.is_sliding(i) else self.rotary)
+            Gemma3DecoderLayer(spec, i, self.rotary_local if spec.is_sliding(i) else self.rotary, ops)
             for i in range(spec.num_layers)
         )
 

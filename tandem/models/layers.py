@@ -1,50 +1,37 @@
 """Layers shared by every model family.
 
 Module and parameter names follow the Hugging Face checkpoints (``self_attn.q_proj`` ...), so
-loading is a name lookup. Every layer works on flattened tokens: ``[num_tokens, ...]``.
+loading is a name lookup. Every layer works on flattened tokens: ``[num_tokens, ...]``. Layers
+run their hot ops through the ``OpTable`` they were built with (``tandem.ops.dispatch``): which
+implementation runs was decided once, when the model was built.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tandem.kernels import native
+from tandem.models.context import ForwardContext
 from tandem.models.spec import ModelSpec, RopeSpec
-from tandem.runner.attention import AttentionMetadata, paged_attention, write_kv
-
-
-@dataclass
-class ForwardContext:
-    """What every layer needs for one step, passed explicitly (no module-level state)."""
-
-    meta: AttentionMetadata
-    kv_cache: torch.Tensor  # [num_layers, 2, num_slots, num_kv_heads, head_dim]
-    positions: torch.Tensor  # [num_tokens]
-    rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    """cos/sin rows for ``positions``, per rotary table, looked up once per step."""
+from tandem.ops.dispatch import REFERENCE, OpTable
+from tandem.ops.paged_attention import paged_attention
 
 
 class RMSNorm(nn.Module):
     """RMS norm computed in float32. Gemma stores ``w - 1`` and scales by ``1 + w``."""
 
-    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False, ops: OpTable = REFERENCE) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
         self.eps = eps
         self.unit_offset = unit_offset
+        self.offset = 1.0 if unit_offset else 0.0
+        self._rms_norm = ops.rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and native.usable(self.weight):
-            return native.rms_norm(x.contiguous(), self.weight, self.eps, 1.0 if self.unit_offset else 0.0)
-        shape = (x.shape[-1],)
-        if self.unit_offset:
-            return F.rms_norm(x.float(), shape, 1.0 + self.weight.float(), self.eps).to(x.dtype)
-        return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(x.dtype)
+        return self._rms_norm(x, self.weight, self.eps, self.offset)
 
 
 def _inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
@@ -66,7 +53,8 @@ def _inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half rotary embedding with a precomputed cos/sin table indexed by position."""
+    """Cos/sin tables of a rotate-half rotary embedding, indexed by position; the rotation itself
+    is part of the q/k/v op (``OpTable.qkv_to_cache``)."""
 
     def __init__(self, rope: RopeSpec, head_dim: int, max_positions: int) -> None:
         super().__init__()
@@ -92,25 +80,6 @@ class RotaryEmbedding(nn.Module):
             tables = ctx.rope[id(self)] = tuple(t.to(dtype).contiguous() for t in rows)
         return tables
 
-    def forward(self, ctx: ForwardContext, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = (t[:, None, :] for t in self.tables(ctx, q.dtype))  # [T, 1, D]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-_ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-}
-# The activations the fused CPU kernel computes (tandem.kernels.native.act_mul), by their name there.
-_NATIVE_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-
 
 class MergedLinear(nn.Linear):
     """Several projections of the same input stacked into one matmul (q/k/v, gate/up).
@@ -133,28 +102,20 @@ class MergedLinear(nn.Linear):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, act: str) -> None:
+    def __init__(self, hidden: int, intermediate: int, act: str, ops: OpTable = REFERENCE) -> None:
         super().__init__()
-        if act not in _ACTIVATIONS:
-            raise ValueError(f"model: unsupported activation {act!r}")
-        self.intermediate = intermediate
+        self._act_mul = ops.act_mul(act)  # raises for an unknown activation
         self.gate_up_proj = MergedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate}, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.act = _ACTIVATIONS[act]
-        self.native_act = _NATIVE_ACTIVATIONS.get(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.native_act is not None and native.usable(gate_up):
-            return self.down_proj(native.act_mul(gate_up, self.native_act))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self._act_mul(self.gate_up_proj(x)))
 
 
 class Attention(nn.Module):
     """Multi-head attention with grouped KV heads, optional q/k norm and bias, over the paged cache."""
 
-    def __init__(self, spec: ModelSpec, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, spec: ModelSpec, layer: int, rotary: RotaryEmbedding, ops: OpTable = REFERENCE) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads = spec.num_heads
@@ -170,37 +131,28 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=False)
         if spec.qk_norm:
-            gemma = spec.family == "gemma3"
-            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, unit_offset=gemma)
-            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, unit_offset=gemma)
+            unit = bool(spec.norm_unit_offset)
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, unit_offset=unit, ops=ops)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, unit_offset=unit, ops=ops)
         else:
             self.q_norm = self.k_norm = None
         # Shared with the other layers of the same kind; not a parameter of this module.
         self._rotary = [rotary]
+        self._qkv_to_cache = ops.qkv_to_cache
+        self._decode_attention = ops.decode_attention
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         k_cache, v_cache = ctx.kv_cache[self.layer]
-        rotary = self._rotary[0]
-        if native.usable(qkv, k_cache):
-            # One pass: q/k norms, rotary embedding, and k/v written into the cache.
-            cos, sin = rotary.tables(ctx, qkv.dtype)
-            qn, kn = self.q_norm, self.k_norm
-            q = native.qkv_to_cache(
-                qkv, self.num_heads,
-                None if qn is None else qn.weight, None if kn is None else kn.weight,
-                0.0 if qn is None else qn.eps, 1.0 if qn is not None and qn.unit_offset else 0.0,
-                cos, sin, ctx.meta.slot_mapping, k_cache, v_cache,
-            )
-        else:
-            q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-            q = q.view(t, self.num_heads, self.head_dim)
-            k = k.view(t, self.num_kv_heads, self.head_dim)
-            v = v.view(t, self.num_kv_heads, self.head_dim)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = rotary(ctx, q, k)
-            write_kv(k, v, k_cache, v_cache, ctx.meta)
-        o = paged_attention(q, k_cache, v_cache, ctx.meta, self.scale, self.sliding)
+        cos, sin = self._rotary[0].tables(ctx, qkv.dtype)
+        qn, kn = self.q_norm, self.k_norm
+        # q/k norms, rotary embedding, and k/v written into the cache (one pass where fused).
+        q = self._qkv_to_cache(
+            qkv, self.num_heads,
+            None if qn is None else qn.weight, None if kn is None else kn.weight,
+            0.0 if qn is None else qn.eps, 0.0 if qn is None else qn.offset,
+            cos, sin, ctx.meta.slot_mapping, k_cache, v_cache,
+        )
+        o = paged_attention(q, k_cache, v_cache, ctx.meta, self.scale, self.sliding, self._decode_attention)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))

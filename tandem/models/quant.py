@@ -14,9 +14,10 @@ Decode reads every weight once per step, so int8 weights cut the bytes a step mu
 against float32. Weight-only int8 uses the AVX2 kernel in ``tandem.kernels`` for small batches
 (decode) and, for large ones (prefill chunks), dequantizes the weights in row blocks and calls the
 float32 BLAS matmul, which is compute-bound there anyway. ``w8a8`` uses its integer kernel for
-every batch size, so a row's result never depends on the batch it shares. Without the kernels (no
-compiler, no AVX2, or another device) the same arithmetic runs in plain torch: activations rounded
-the same way, then the blocked dequantize-and-matmul path.
+every batch size, so a row's result never depends on the batch it shares. Without the kernels
+(the op table says so: no compiler, no AVX2, another device, or ``kernels='torch'``) the same
+arithmetic runs in plain torch: activations rounded the same way, then the blocked
+dequantize-and-matmul path.
 """
 
 from __future__ import annotations
@@ -81,13 +82,15 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     return (q * d).view(m, -1)[:, :k].contiguous()
 
 
-def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, w8a8: bool = False) -> torch.Tensor:
+def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, w8a8: bool = False,
+                kernels: bool = False) -> torch.Tensor:
     """``x`` [..., K] times int8 ``qweight`` [N, K] (per-row ``scale``) -> float32 [..., N];
-    with ``w8a8``, ``x`` is first rounded to int8 per block (see ``quantize_activations``)."""
+    with ``w8a8``, ``x`` is first rounded to int8 per block (see ``quantize_activations``).
+    ``kernels``: use the C kernels (``OpTable.int8_kernels``; CPU tensors only)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
     n, k = qweight.shape
-    native_ok = x2.device.type == "cpu" and native.available()
+    native_ok = kernels
     if w8a8:
         if native_ok and k % QBLOCK == 0:
             return native.gemm_w8a8(x2, qweight, scale).reshape(*lead, n)
@@ -113,21 +116,23 @@ class Int8Linear(nn.Module):
     rounds the inputs to int8 (see the module docstring)."""
 
     def __init__(
-        self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, w8a8: bool = False
+        self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, w8a8: bool = False,
+        kernels: bool = False,
     ) -> None:
         super().__init__()
         self.w8a8 = w8a8
+        self.kernels = kernels
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.out_features, self.in_features = qweight.shape
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, w8a8: bool = False) -> "Int8Linear":
-        return cls(*quantize_rows(linear.weight), linear.bias, w8a8)
+    def from_linear(cls, linear: nn.Linear, w8a8: bool = False, kernels: bool = False) -> "Int8Linear":
+        return cls(*quantize_rows(linear.weight), linear.bias, w8a8, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = int8_matmul(x, self.qweight, self.scale, self.w8a8)
+        y = int8_matmul(x, self.qweight, self.scale, self.w8a8, self.kernels)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype)
@@ -152,14 +157,15 @@ class Int8Embedding(nn.Module):
 
 def quantize_model_int8(model: CausalLM, w8a8: bool = False) -> CausalLM:
     """Replace every ``nn.Linear`` in place; with tied embeddings, one int8 table then serves both
-    the lookup and the output head. ``w8a8``: every layer also rounds its inputs to int8.
-    Returns ``model``."""
+    the lookup and the output head. ``w8a8``: every layer also rounds its inputs to int8. The
+    matmuls use the C kernels when the model's op table says so. Returns ``model``."""
+    kernels = model.ops.int8_kernels
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, child_name, Int8Linear.from_linear(child, w8a8))
+                setattr(module, child_name, Int8Linear.from_linear(child, w8a8, kernels))
     if model.lm_head is None:  # tied: an untied head was an nn.Linear, quantized above
         table = model.model.embed_tokens.weight
-        model.lm_head = Int8Linear(*quantize_rows(table), None, w8a8)
+        model.lm_head = Int8Linear(*quantize_rows(table), None, w8a8, kernels)
         model.model.embed_tokens = Int8Embedding(model.lm_head, table.dtype)
     return model

@@ -6,6 +6,7 @@ from tandem.models.base import CausalLM
 from tandem.models.gemma3 import Gemma3ForCausalLM
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.spec import ModelSpec
+from tandem.ops.dispatch import REFERENCE, OpTable
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
@@ -15,9 +16,10 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
 }
 
 
-def build_model(spec: ModelSpec, max_positions: int) -> CausalLM:
+def build_model(spec: ModelSpec, max_positions: int, ops: OpTable = REFERENCE) -> CausalLM:
+    """The model of ``spec.family``, its layers running the ops in ``ops``."""
     try:
         cls = MODEL_REGISTRY[spec.family]
     except KeyError:
         raise ValueError(f"model: unsupported architecture family {spec.family!r}") from None
-    return cls(spec, max_positions)
+    return cls(spec, max_positions, ops)

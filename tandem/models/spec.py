@@ -20,6 +20,13 @@ FAMILIES = {
 }
 
 
+# What sets a family apart where the shared layers need to know it. A config.json does not say
+# these, so they follow from the family; the layers read the resolved ModelSpec fields only.
+FAMILY_TRAITS: dict[str, dict[str, Any]] = {
+    "gemma3": {"norm_unit_offset": True},
+}
+
+
 @dataclass(frozen=True)
 class RopeSpec:
     theta: float = 10000.0
@@ -54,6 +61,16 @@ class ModelSpec:
     query_pre_attn_scalar: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    norm_unit_offset: bool | None = None
+    """RMS norms scale by ``1 + w`` (weights stored as ``w - 1``, Gemma); None: the family's trait."""
+
+    def __post_init__(self) -> None:
+        # Fill the family's traits into fields left unset (also for specs saved before a field existed).
+        for name, value in FAMILY_TRAITS.get(self.family, {}).items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        if self.norm_unit_offset is None:
+            object.__setattr__(self, "norm_unit_offset", False)
 
     @property
     def attn_scale(self) -> float:

@@ -11,16 +11,16 @@ import time
 
 import torch
 
-from tandem.core.step import RunnerOutput, SampledToken, SchedulerOutput
+from tandem.core.step import KVLayout, RunnerOutput, SampledToken, SchedulerOutput
 from tandem.models.base import CausalLM
-from tandem.models.layers import ForwardContext
-from tandem.runner.attention import build_metadata
+from tandem.models.context import ForwardContext
+from tandem.ops.paged_attention import build_metadata
 from tandem.runner.sampler import Sampler
 
 
 def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
     spec = model.spec
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     return spec.num_layers * 2 * block_size * spec.num_kv_heads * spec.head_dim * elem
 
 
@@ -28,24 +28,23 @@ class ModelRunner:
     def __init__(
         self,
         model: CausalLM,
-        num_blocks: int,
-        block_size: int,
+        layout: KVLayout,
         device: torch.device,
         dtype: torch.dtype,
         seed: int = 0,
     ) -> None:
         self.model = model
-        self.block_size = block_size
+        self.layout = layout
         self.device = device
         self.dtype = dtype
         spec = model.spec
         # [layer, k/v, slot, kv_head, head_dim]
         self.kv_cache = torch.zeros(
-            spec.num_layers, 2, num_blocks * block_size, spec.num_kv_heads, spec.head_dim,
+            spec.num_layers, 2, layout.num_slots, spec.num_kv_heads, spec.head_dim,
             dtype=dtype, device=device,
         )
         self.sliding_window = spec.sliding_window if any(spec.is_sliding(i) for i in range(spec.num_layers)) else None
-        self.sampler = Sampler(device, seed)
+        self.sampler = Sampler(device, seed, model.ops.argmax_rows)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -56,12 +55,12 @@ class ModelRunner:
         sample_rows: list[int] = []
         for chunk in out.chunks:
             input_ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.start, chunk.end))
+            positions.extend(chunk.positions)
             if chunk.samples:
                 sample_rows.append(len(input_ids) - 1)
         meta = build_metadata(
             [(c.start, c.num_tokens, c.block_table) for c in out.chunks],
-            self.block_size,
+            self.layout.block_size,
             self.sliding_window,
             self.device,
         )
@@ -81,8 +80,8 @@ class ModelRunner:
         sampled: dict[str, SampledToken] = {}
         if logits is not None:
             sampling = [c for c in out.chunks if c.samples]
-            request_ids = [c.request.request_id for c in sampling]
-            tokens, logprobs = self.sampler.sample(logits, request_ids, [c.request.params for c in sampling])
+            request_ids = [c.request_id for c in sampling]
+            tokens, logprobs = self.sampler.sample(logits, request_ids, [c.sampling for c in sampling])
             for rid, tok, lp in zip(request_ids, tokens, logprobs):
                 sampled[rid] = SampledToken(tok, lp)
         return RunnerOutput(sampled=sampled, forward_seconds=model_seconds)

@@ -9,15 +9,20 @@ gives the same output whatever else shares its steps.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from tandem.core.request import SamplingParams, TokenLogprob
-from tandem.kernels import native
+from tandem.ops.reference import argmax_rows
 
 
 class Sampler:
-    def __init__(self, device: torch.device, default_seed: int) -> None:
+    def __init__(self, device: torch.device, default_seed: int,
+                 argmax: Callable[[torch.Tensor], torch.Tensor] = argmax_rows) -> None:
+        """``argmax``: the op table's row argmax (``OpTable.argmax_rows``)."""
         self.device = device
+        self._argmax = argmax
         self._generators: dict[str, torch.Generator] = {}
         self._default = torch.Generator(device=device)
         self._default.manual_seed(default_seed)
@@ -40,7 +45,7 @@ class Sampler:
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """``logits``: float32 [n, vocab] -> one token id (and optional logprobs) per row."""
         n = logits.shape[0]
-        chosen = native.argmax_rows(logits) if native.usable(logits) else logits.argmax(dim=-1)
+        chosen = self._argmax(logits)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             idx = torch.tensor(random_rows, device=logits.device)

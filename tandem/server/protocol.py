@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tandem.core.request import SamplingParams
+from tandem.core.sampling_params import SamplingParams
 
 
 class APIError(Exception):
@@ -73,7 +73,9 @@ class _Common(BaseModel):
     priority: int = 0
     stop_token_ids: list[int] | None = None
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None, default_max: int) -> SamplingParams:
+    def _sampling(self, max_tokens: int | None, logprobs: int | None, default_max: int | None) -> SamplingParams:
+        """Fields the client left out keep SamplingParams' defaults (OpenAI's); ``default_max``
+        replaces the default ``max_tokens`` where the route's default differs (chat)."""
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise bad_request(f"{name}: not supported by this server (only 0)", name)
@@ -82,12 +84,15 @@ class _Common(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > 16:
             raise bad_request("stop: at most 16 stop strings", "stop")
+        given = {
+            "max_tokens": default_max if max_tokens is None else max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+        }
         try:
             return SamplingParams(
-                max_tokens=default_max if max_tokens is None else max_tokens,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=-1 if self.top_k is None else self.top_k,
+                **{k: v for k, v in given.items() if v is not None},
                 seed=self.seed,
                 stop=stop,
                 stop_token_ids=self.stop_token_ids or (),
@@ -104,12 +109,12 @@ class CompletionRequest(_Common):
     echo: bool = False
     suffix: str | None = None
 
-    def sampling_params(self, default_max: int) -> SamplingParams:
+    def sampling_params(self) -> SamplingParams:
         if self.echo:
             raise bad_request("echo: not supported by this server", "echo")
         if self.suffix:
             raise bad_request("suffix: not supported by this server", "suffix")
-        return self._sampling(self.max_tokens, self.logprobs, default_max)
+        return self._sampling(self.max_tokens, self.logprobs, None)
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

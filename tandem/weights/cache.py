@@ -19,6 +19,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from tandem.models.spec import ModelSpec
+from tandem.paths import default_cache_dir
 from tandem.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -27,12 +28,6 @@ FORMAT_VERSION = 1
 _MANIFEST = "manifest.json"
 _SAMPLE = 1 << 20  # digest 1 MiB ...
 _STRIDE = 16 << 20  # ... out of every 16 MiB of a file (the whole of small files)
-
-
-def default_cache_dir() -> Path:
-    from platformdirs import user_cache_dir
-
-    return Path(os.environ.get("TANDEM_CACHE_DIR") or user_cache_dir("tandem"))
 
 
 def _fingerprint(source: Path) -> str:

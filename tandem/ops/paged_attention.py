@@ -5,19 +5,20 @@ metadata built once per step (``AttentionMetadata``) maps them into padded per-s
 (decodes in one group, prompt chunks in another, so a long chunk does not pad every decode to
 its length) and gathers each sequence's keys through its block table. Masks encode causality,
 each sequence's context length and, for sliding-window layers, the window. No Python loop runs
-over sequences inside the forward pass. On the CPU in float32, the decode group (one query per
-sequence) instead runs a kernel that reads keys and values through the block tables directly
-(``tandem/kernels/decode_attention.c``), with no gathered copy and no mask.
+over sequences inside the forward pass. Where the op table has a decode-attention kernel (on the
+CPU in float32: ``tandem/kernels/decode_attention.c``), the decode group (one query per sequence)
+instead runs it: keys and values read through the block tables directly, no gathered copy and
+no mask.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
-
-from tandem.kernels import native
 
 
 @dataclass
@@ -132,14 +133,17 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding: bool,
+    decode_kernel: Callable[..., None] | None = None,
 ) -> torch.Tensor:
+    """``decode_kernel``: the op table's decode attention (``OpTable.decode_attention``), used for
+    the group of one-query sequences; None runs every group through gather + SDPA."""
     out = q.new_empty(q.shape)
     for g in meta.groups:
         s, n_q = g.valid.shape
-        if n_q == 1 and native.usable(q, k_cache, v_cache):
+        if n_q == 1 and decode_kernel is not None:
             window = meta.sliding_window if sliding and meta.sliding_window else 0
-            native.decode_attention(q, k_cache, v_cache, g.block_tables, g.context_lens, g.token_index, out,
-                                    meta.block_size, window, scale)
+            decode_kernel(q, k_cache, v_cache, g.block_tables, g.context_lens, g.token_index, out,
+                          meta.block_size, window, scale)
             continue
         # index_select copies rows several times faster than advanced indexing on the CPU.
         n_k = g.kv_slots.shape[1]

@@ -1,0 +1,75 @@
+"""Sampling parameters: the one place that defines them, their defaults and their checks.
+
+The defaults are OpenAI's (``max_tokens`` 16, ``temperature`` 1), which the HTTP server's
+``/v1/completions`` uses as they are. Front ends that differ say so here and nowhere else:
+
+- ``tandem generate``: ``CLI_DEFAULTS`` (greedy, a paragraph of output);
+- ``/v1/chat/completions`` without ``max_tokens``: up to the end of the context, as OpenAI's chat
+  API does (the server computes the room left).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+
+def _help(text: str, **extra: Any) -> dict[str, Any]:
+    return {"help": text, **extra}
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = field(default=16, metadata=_help("output tokens per prompt"))
+    temperature: float = field(default=1.0, metadata=_help("0 is greedy"))
+    top_p: float = field(default=1.0, metadata=_help("nucleus sampling: keep the smallest set of tokens with this mass"))
+    top_k: int = field(default=-1, metadata=_help("keep the k most likely tokens; -1 disables"))
+    seed: int | None = field(default=None, metadata=_help("seed of this request's random draws"))
+    stop: Sequence[str] = field(default=(), metadata=_help("a stop string (repeatable)", action="append"))
+    stop_token_ids: Sequence[int] = field(default=(), metadata=_help("token ids that end the output", nargs="+"))
+    ignore_eos: bool = field(default=False, metadata=_help("keep generating past end-of-sequence"))
+    logprobs: int | None = field(default=None, metadata=_help(
+        "return the sampled token's logprob and this many top alternatives (0: sampled only)"))
+    include_stop_str_in_output: bool = field(default=False, metadata=_help("keep the matched stop string in the text"))
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(self.stop)
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        self.validate()
+
+    def validate(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens: must be a positive integer, got {self.max_tokens!r}")
+        if not _is_number(self.temperature) or self.temperature < 0 or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature: must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1 or self.top_k == 0:
+            raise ValueError(f"top_k: must be -1 (disabled) or a positive integer, got {self.top_k!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop: must be non-empty strings, got {self.stop!r}")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids: must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs: must be an integer in [0, 20], got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+CLI_DEFAULTS: dict[str, Any] = {"max_tokens": 64, "temperature": 0.0}
+"""``tandem generate``'s defaults where they differ from the fields' own."""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -1,0 +1,135 @@
+"""Which implementation each hot op uses, decided once when a model is built.
+
+``select_ops(device, dtype)`` looks at the device, the activation dtype and whether the C kernels
+(``tandem.kernels``) built and run on this CPU, and returns an ``OpTable``: the chosen function
+for every op plus, for each op, the implementation's name and why it was chosen. The model, the
+attention and the sampler call what the table holds; nothing else tests for kernels. The plain
+torch form (``tandem.ops.reference``) is always there: with ``kernels="torch"``, on CUDA, or for a
+dtype a kernel does not take.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+
+from tandem.kernels import native
+from tandem.ops import reference
+from tandem.ops.modes import KERNEL_MODES
+
+log = logging.getLogger("tandem.ops")
+
+# The activations the fused act·mul kernel computes, by the name the kernel gives them.
+_NATIVE_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+@dataclass(frozen=True)
+class Choice:
+    impl: str
+    reason: str
+
+
+def _native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    return native.rms_norm(x.contiguous(), weight, eps, offset)
+
+
+def _native_qkv_to_cache(qkv, num_heads, q_norm, k_norm, eps, offset, cos, sin, slots, k_cache, v_cache):
+    return native.qkv_to_cache(qkv.contiguous(), num_heads, q_norm, k_norm, eps, offset, cos, sin, slots,
+                               k_cache, v_cache)
+
+
+def _native_argmax(x: torch.Tensor) -> torch.Tensor:
+    return native.argmax_rows(x.contiguous())
+
+
+@dataclass(frozen=True)
+class OpTable:
+    """The ops one model runs with. ``choices`` names each op's implementation and the reason."""
+
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float, float], torch.Tensor]
+    qkv_to_cache: Callable[..., torch.Tensor]
+    decode_attention: Callable[..., None] | None
+    """One query per sequence straight from the paged cache; None: attention's gather + SDPA path."""
+    argmax_rows: Callable[[torch.Tensor], torch.Tensor]
+    int8_kernels: bool
+    """Whether int8 matmuls use the C kernels (else dequantize + torch matmul)."""
+    native_act_mul: bool
+    choices: dict[str, Choice] = field(default_factory=dict)
+
+    def act_mul(self, act: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``act(gate) * up`` for one activation, fused when the kernel computes that activation."""
+        if act not in reference.ACTIVATIONS:
+            raise ValueError(f"model: unsupported activation {act!r}")
+        kernel_name = _NATIVE_ACTIVATIONS.get(act)
+        if self.native_act_mul and kernel_name is not None:
+            return lambda gate_up: native.act_mul(gate_up.contiguous(), kernel_name)
+        return lambda gate_up: reference.act_mul(gate_up, act)
+
+    def describe(self) -> dict[str, str]:
+        """Op -> implementation name, for logs, /config and result files."""
+        return {op: c.impl for op, c in self.choices.items()}
+
+
+def select_ops(
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    kernels: str = "auto",
+    disable: Iterable[str] = (),
+) -> OpTable:
+    """The ops for a model on ``device`` with activations in ``dtype``. ``disable`` names ops
+    (keys of ``OpTable.choices``) held to their torch form whatever else is chosen, for ablations."""
+    device = torch.device(device)
+    disable = frozenset(disable)
+    if kernels not in KERNEL_MODES:
+        raise ValueError(f"kernels: must be one of {', '.join(KERNEL_MODES)}, got {kernels!r}")
+    if kernels == "torch":
+        cpu_lib, why_not = False, "kernels='torch' asks for the plain torch path"
+    elif device.type != "cpu":
+        cpu_lib, why_not = False, f"the C kernels run on the CPU, not on {device.type}"
+    elif not native.available():
+        cpu_lib, why_not = False, f"the C kernels are off: {native.unavailable_reason()}"
+    else:
+        cpu_lib, why_not = True, ""
+    f32 = cpu_lib and dtype == torch.float32
+    why_not_f32 = why_not or f"the fused kernels take float32 activations, not {str(dtype).removeprefix('torch.')}"
+    kernel = f"native-{native.ISA}"
+
+    use: dict[str, bool] = {}
+    choices: dict[str, Choice] = {}
+
+    def pick(op: str, ok: bool, reason_no: str, torch_name: str = "torch") -> None:
+        if op in disable:
+            ok, reason_no = False, "disabled by the caller"
+        use[op] = ok
+        choices[op] = Choice(kernel, "the C kernel runs here") if ok else Choice(torch_name, reason_no)
+
+    pick("rms_norm", f32, why_not_f32)
+    pick("act_mul", f32, why_not_f32)
+    pick("qkv_rope_cache", f32, why_not_f32)
+    pick("decode_attention", f32, why_not_f32, torch_name="torch-sdpa")
+    pick("argmax", cpu_lib, why_not)  # logits are float32 whatever the model's dtype
+    pick("int8_matmul", cpu_lib, why_not)
+    unknown = disable - set(choices)
+    if unknown:
+        raise ValueError(f"disable: unknown ops {', '.join(sorted(unknown))}; known: {', '.join(choices)}")
+    choices["linear"] = Choice("torch", "torch's matmul (oneDNN/BLAS on the CPU, cuBLAS on CUDA)")
+    choices["prefill_attention"] = Choice("torch-sdpa", "gather through the block tables + SDPA")
+    table = OpTable(
+        rms_norm=_native_rms_norm if use["rms_norm"] else reference.rms_norm,
+        qkv_to_cache=_native_qkv_to_cache if use["qkv_rope_cache"] else reference.qkv_to_cache,
+        decode_attention=native.decode_attention if use["decode_attention"] else None,
+        argmax_rows=_native_argmax if use["argmax"] else reference.argmax_rows,
+        int8_kernels=use["int8_matmul"],
+        native_act_mul=use["act_mul"],
+        choices=choices,
+    )
+    log.info("ops for %s/%s: %s", device.type, str(dtype).removeprefix("torch."),
+             ", ".join(f"{op}={c.impl}" for op, c in choices.items()))
+    return table
+
+
+REFERENCE = select_ops("cpu", torch.float32, kernels="torch")
+"""The plain torch form of every op: what models use when built without a table (tests)."""

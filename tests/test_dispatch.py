@@ -1,0 +1,86 @@
+"""The op-dispatch layer: which implementation each op gets, decided once per model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.kernels import native
+from tandem.ops import dispatch, reference
+from tandem.ops.dispatch import select_ops
+
+KERNEL_OPS = ("rms_norm", "act_mul", "qkv_rope_cache", "decode_attention", "argmax", "int8_matmul")
+
+
+def _fake_library(monkeypatch, present: bool) -> None:
+    monkeypatch.setattr(dispatch.native, "available", lambda: present)
+    monkeypatch.setattr(dispatch.native, "unavailable_reason", lambda: "" if present else "no C compiler found")
+
+
+def test_float32_cpu_with_the_library_uses_every_kernel(monkeypatch):
+    _fake_library(monkeypatch, True)
+    ops = select_ops("cpu", torch.float32)
+    assert all(ops.choices[op].impl == f"native-{native.ISA}" for op in KERNEL_OPS)
+    assert ops.int8_kernels and ops.decode_attention is not None
+    assert ops.rms_norm is not reference.rms_norm
+
+
+def test_bfloat16_keeps_only_the_kernels_that_take_its_tensors(monkeypatch):
+    _fake_library(monkeypatch, True)
+    ops = select_ops("cpu", torch.bfloat16)
+    for op in ("rms_norm", "act_mul", "qkv_rope_cache"):
+        assert ops.choices[op].impl == "torch"
+        assert "bfloat16" in ops.choices[op].reason
+    assert ops.choices["decode_attention"].impl == "torch-sdpa" and ops.decode_attention is None
+    # logits are float32 whatever the model's dtype, and int8 matmuls take float32 inputs
+    assert ops.choices["argmax"].impl.startswith("native") and ops.int8_kernels
+
+
+@pytest.mark.parametrize("device, kernels, present, reason", [
+    ("cuda", "auto", True, "not on cuda"),
+    ("cpu", "torch", True, "kernels='torch'"),
+    ("cpu", "auto", False, "no C compiler found"),
+])
+def test_torch_everywhere_names_the_reason(monkeypatch, device, kernels, present, reason):
+    _fake_library(monkeypatch, present)
+    ops = select_ops(device, torch.float32, kernels=kernels)
+    assert not ops.int8_kernels and ops.decode_attention is None
+    assert ops.rms_norm is reference.rms_norm and ops.argmax_rows is reference.argmax_rows
+    for op in KERNEL_OPS:
+        assert ops.choices[op].impl.startswith("torch") and reason in ops.choices[op].reason
+
+
+def test_disable_holds_named_ops_to_torch(monkeypatch):
+    _fake_library(monkeypatch, True)
+    ops = select_ops("cpu", torch.float32, disable=["decode_attention", "argmax"])
+    assert ops.decode_attention is None and ops.argmax_rows is reference.argmax_rows
+    assert ops.choices["rms_norm"].impl.startswith("native")
+    with pytest.raises(ValueError, match="disable: unknown ops nope"):
+        select_ops("cpu", torch.float32, disable=["nope"])
+
+
+def test_unknown_kernel_mode_and_activation_are_named():
+    with pytest.raises(ValueError, match="kernels"):
+        select_ops("cpu", torch.float32, kernels="fast")
+    with pytest.raises(ValueError, match="activation"):
+        select_ops("cpu", torch.float32, kernels="torch").act_mul("relu6")
+
+
+def test_act_mul_matches_reference_for_every_activation():
+    ops = select_ops("cpu", torch.float32)
+    gate_up = torch.randn(5, 2 * 24)
+    for act in reference.ACTIVATIONS:
+        torch.testing.assert_close(ops.act_mul(act)(gate_up), reference.act_mul(gate_up, act), atol=1e-5, rtol=1e-5)
+
+
+def test_model_built_with_a_table_runs_its_choices(tmp_path):
+    """The choice is made at build time and reaches every layer."""
+    from tandem.build import load_model
+    from tandem.config import ModelConfig
+    from tiny_models import save_tiny
+
+    save_tiny("llama", tmp_path)
+    loaded = load_model(ModelConfig(model=str(tmp_path), dtype="float32", device="cpu", kernels="torch"))
+    norms = [m for m in loaded.model.modules() if m.__class__.__name__ == "RMSNorm"]
+    assert norms and all(m._rms_norm is reference.rms_norm for m in norms)
+    assert loaded.model.ops.describe()["rms_norm"] == "torch"
