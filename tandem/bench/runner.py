@@ -151,7 +151,7 @@ def run_inprocess(
     progress: Progress | None = None,
 ) -> RunData:
     """Drive a tandem ``Engine`` directly; timings come from the engine's own clock."""
-    from tandem.core.request import SamplingParams
+    from tandem.core.sampling_params import SamplingParams
 
     clock0 = engine.clock()
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.core.request import SamplingParams, TokenLogprob
+from tandem.core.request import TokenLogprob
+from tandem.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from typing import Callable
 
 import torch
 
-from tandem.core.request import SamplingParams, TokenLogprob
+from tandem.core.request import TokenLogprob
+from tandem.core.sampling_params import SamplingParams
 from tandem.ops.reference import argmax_rows
 
 

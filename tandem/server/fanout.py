@@ -10,7 +10,7 @@ from typing import AsyncIterator
 
 from tandem.core.outputs import RequestOutput
 from tandem.core.request import Request as EngineRequest
-from tandem.core.request import SamplingParams
+from tandem.core.sampling_params import SamplingParams
 from tandem.server.async_engine import QueueFull
 from tandem.server.protocol import APIError, bad_request, from_value_error
 from tandem.server.state import ServerState

@@ -32,7 +32,6 @@ from tandem.server.state import ServerState
 
 log = logging.getLogger(__name__)
 
-DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 DISCONNECT_POLL_S = 0.2
 
 
@@ -130,7 +129,7 @@ def create_app(state: ServerState) -> FastAPI:
         arrival = state.engine.clock()
         req = validate(CompletionRequest, await _read_json(request, state.config.max_request_bytes))
         _check_model(state, req.model)
-        params = req.sampling_params(DEFAULT_COMPLETION_TOKENS)
+        params = req.sampling_params()  # SamplingParams' defaults are OpenAI's
         prompts = req.prompts()
         jobs = make_jobs(state, prompts, params, req.n, req.priority, arrival, default_max=False,
                          explicit_max=req.max_tokens is not None)
@@ -141,6 +140,7 @@ def create_app(state: ServerState) -> FastAPI:
         arrival = state.engine.clock()
         req = validate(ChatCompletionRequest, await _read_json(request, state.config.max_request_bytes))
         _check_model(state, req.model)
+        # chat's default max_tokens: the room left in the context (see core/sampling_params.py)
         params = req.sampling_params(state.engine.max_model_len)
         text = _render_chat(state, req.messages, req)
         explicit = req.max_tokens is not None or req.max_completion_tokens is not None
