@@ -9,7 +9,7 @@ same prompts go to every peer; each concurrency level has its own prompts (seed 
 one level sent can be reused from a prefix cache by the next.
 
 Peers, run one after another, never together:
-- tandem: `tandem serve` (+ --tandem-args), driven over HTTP by tandem.bench.runner.run_openai;
+- tandem: `tandem serve` (+ --tandem-args), driven over HTTP by tandem.bench.replay.run_openai;
 - llama-server: llama.cpp's server on the same GGUF, -np max(C) slots, driven the same way;
 - llama-bench: llama.cpp's kernel benchmark (pp --input-len, tg --output-len), batch 1, no HTTP;
 - transformers-static: `model.generate` in this process, C requests per batch, left-padded;
@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer_transformers, w
 
 from tandem.bench.main import load_tokenizer  # noqa: E402
 from tandem.bench.progress import RunProgress  # noqa: E402
-from tandem.bench.runner import RunData, run_openai  # noqa: E402
+from tandem.bench.replay import RunData, run_openai  # noqa: E402
 from tandem.bench.summary import summarize_run  # noqa: E402
 from tandem.bench.workload import (  # noqa: E402
     ArrivalSpec,

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from tandem.bench.arrivals import arrival_offsets
 from tandem.bench.progress import RunProgress
-from tandem.bench.runner import RunData, run_inprocess
+from tandem.bench.replay import RunData, run_inprocess
 from tandem.bench.summary import parse_goodput, summarize_run
 from tandem.bench.workload import (
     ArrivalSpec,
