@@ -1,5 +1,8 @@
 """The built-in workloads of `tandem compare` and `tandem tune`, and the requests either tool
 sends for a scenario name or a workload file.
+
+This is the only list of scenarios: the CLI's choices and help come from it. It must stay free of
+torch (and of anything heavy), because `tandem.bench.config` imports it to build the parser.
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ from tandem.bench.workload import ArrivalSpec, BenchRequest, LengthDist, Request
 @dataclass
 class Scenario:
     name: str
+    brief: str
+    """One line for the CLI help."""
     description: str
+    """What the report says the scenario is."""
     build: Callable[[Any, int], tuple[list[BenchRequest], list[float]]]
     max_num_seqs: int = 32
 
@@ -50,15 +56,22 @@ def _sharegpt_bursty(tok, seed: int):
     return reqs, arrival_offsets(w.arrival, len(reqs), seed)
 
 
-SCENARIOS = {
-    "equal": Scenario("equal", "24 equal requests (256 prompt / 64 output tokens) arriving at once: the case "
-                      "where chunked prefill can raise throughput", _equal),
-    "long-prompts": Scenario("long-prompts", "12 chats (~96 prompt / 96 output tokens) streaming while 3 "
-                             "1536-token documents arrive 4, 10 and 16 s in: where prefill-first stalls "
-                             "streams", _long_prompts),
-    "sharegpt-bursty": Scenario("sharegpt-bursty", "32 ShareGPT-like requests (lognormal lengths) with bursty "
-                                "gamma arrivals (0.8 req/s, burstiness 0.3)", _sharegpt_bursty),
-}
+SCENARIOS = {s.name: s for s in (
+    Scenario("equal", "equal-size requests at high concurrency",
+             "24 equal requests (256 prompt / 64 output tokens) arriving at once: the case where chunked "
+             "prefill can raise throughput", _equal),
+    Scenario("long-prompts", "long prompts arriving while chats stream",
+             "12 chats (~96 prompt / 96 output tokens) streaming while 3 1536-token documents arrive 4, 10 "
+             "and 16 s in: where prefill-first stalls streams", _long_prompts),
+    Scenario("sharegpt-bursty", "a ShareGPT-like mix with bursty arrivals",
+             "32 ShareGPT-like requests (lognormal lengths) with bursty gamma arrivals (0.8 req/s, "
+             "burstiness 0.3)", _sharegpt_bursty),
+)}
+
+
+def scenarios_help() -> str:
+    """``'name' (brief), ...`` over every scenario, for the CLI."""
+    return ", ".join(f"'{s.name}' ({s.brief})" for s in SCENARIOS.values())
 
 
 def scenario_requests(scenario: str | None, workload_path: str | None, tok, seed: int):
