@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tandem.bench.replay import RunData, run_inprocess
@@ -60,7 +60,6 @@ class Evaluation:
     preemptions: int
     mfu: float | None = None
     mbu: float | None = None
-    extra: dict = field(default_factory=dict)
 
 
 class InProcessEvaluator:
