@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from tandem.bench.client import RequestResult
-from tandem.bench.runner import RunData
+from tandem.bench.replay import RunData
 from tandem.bench.workload import BenchRequest
 
 DTYPE = torch.float32

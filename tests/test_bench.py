@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from tandem.bench.arrivals import arrival_offsets
 from tandem.bench.config import BenchConfig
 from tandem.bench.main import run_bench, workload_from_config
-from tandem.bench.runner import parse_gauges, run_openai
+from tandem.bench.replay import parse_gauges, run_openai
 from tandem.bench.summary import parse_goodput, summarize_run
 from tandem.bench.workload import ArrivalSpec, BenchRequest, LengthDist, RequestClass, Workload, build_requests
 from test_server import Server, free_port

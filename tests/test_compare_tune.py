@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from tandem.bench.compare import Candidate, InProcessEvaluator, evaluate, run_compare
+from tandem.bench.compare import run_compare
 from tandem.bench.config import TuneConfig
+from tandem.bench.evaluate import Candidate, InProcessEvaluator, evaluate
 from tandem.bench.tune import SLO, pareto, tune
 from tandem.bench.tune_run import run_tune
 from tandem.bench.workload import BenchRequest

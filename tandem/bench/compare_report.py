@@ -13,8 +13,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from tandem.bench.compare import Evaluation, results_json, row  # noqa: E402
+from tandem.bench.evaluate import Evaluation  # noqa: E402
 from tandem.bench.report import save_figure  # noqa: E402
+from tandem.bench.results import results_json, row  # noqa: E402
 
 PLOTS = ("ttft_vs_throughput.png", "itl_timelines.png", "step_mix.png")
 

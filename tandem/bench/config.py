@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tandem.bench.scenarios import SCENARIOS, scenarios_help
 from tandem.config import _help
 
 BACKENDS = ("openai", "openai-chat", "inprocess")
@@ -102,15 +103,13 @@ class BenchConfig:
         return [m for m in self.percentile_metrics.split(",") if m]
 
 
-SCENARIO_NAMES = ("equal", "long-prompts", "sharegpt-bursty")
+SCENARIO_NAMES = tuple(SCENARIOS)
 
 
 @dataclass(frozen=True)
 class CompareConfig:
     scenario: str = field(default="equal", metadata=_help(
-        "built-in scenario: 'equal' (equal-size requests at high concurrency), 'long-prompts' (long prompts "
-        "arriving while chats stream), 'sharegpt-bursty' (a ShareGPT-like mix with bursty arrivals)",
-        choices=SCENARIO_NAMES))
+        "built-in scenario: " + scenarios_help(), choices=SCENARIO_NAMES))
     workload: str | None = field(default=None, metadata=_help("a workload YAML/JSON file instead of a scenario"))
     configs: tuple[str, ...] = field(default=(), metadata=_help(
         "configurations to compare, each KEY=VALUE[,KEY=VALUE] over the scheduler options, optionally "
@@ -125,7 +124,7 @@ class CompareConfig:
 @dataclass(frozen=True)
 class TuneConfig:
     scenario: str = field(default="sharegpt-bursty", metadata=_help(
-        "built-in scenario to tune against (see tandem compare)", choices=SCENARIO_NAMES))
+        "built-in scenario to tune against: " + scenarios_help(), choices=SCENARIO_NAMES))
     workload: str | None = field(default=None, metadata=_help("a workload YAML/JSON file instead of a scenario"))
     slo_ttft_ms: float | None = field(default=None, metadata=_help("SLO: p99 time to first token, milliseconds"))
     slo_itl_ms: float | None = field(default=None, metadata=_help("SLO: p99 inter-token latency, milliseconds"))

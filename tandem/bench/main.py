@@ -18,7 +18,7 @@ from tandem.bench.arrivals import arrival_offsets
 from tandem.bench.config import BenchConfig
 from tandem.bench.progress import RunProgress
 from tandem.bench.report import save_figure, write_report
-from tandem.bench.runner import RunData, run_inprocess, run_openai
+from tandem.bench.replay import RunData, run_inprocess, run_openai
 from tandem.bench.summary import parse_goodput, per_class, summarize_run
 from tandem.bench.workload import (
     ArrivalSpec,

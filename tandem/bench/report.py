@@ -18,7 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from tandem.bench.client import RequestResult  # noqa: E402
-from tandem.bench.runner import RunData  # noqa: E402
+from tandem.bench.replay import RunData  # noqa: E402
 
 PLOTS = ("latency_cdf.png", "throughput_queue.png", "token_timeline.png")
 

@@ -6,8 +6,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from tandem.bench.compare import Candidate, InProcessEvaluator, evaluate, scenario_requests
 from tandem.bench.config import TuneConfig
+from tandem.bench.evaluate import Candidate, InProcessEvaluator, evaluate
+from tandem.bench.scenarios import scenario_requests
 from tandem.bench.summary import parse_goodput
 from tandem.bench.tune import SLO, tune, write_tune_report
 from tandem.bench.workload import PlainTokenizer

@@ -1,0 +1,25 @@
+"""Evaluations as plain result data: one flat row per configuration, and compare.json."""
+
+from __future__ import annotations
+
+import json
+
+from tandem.bench.evaluate import Evaluation
+
+
+def row(ev: Evaluation) -> dict:
+    s = ev.summary
+    return {
+        "config": ev.candidate.name, **ev.candidate.overrides,
+        "completed": s["completed"], "failed": s["failed"],
+        "output_throughput": s["output_throughput"], "total_token_throughput": s["total_token_throughput"],
+        "median_ttft_ms": s["median_ttft_ms"], "p99_ttft_ms": s["p99_ttft_ms"],
+        "median_itl_ms": s["median_itl_ms"], "p99_itl_ms": s["p99_itl_ms"],
+        "p99_stall_ms": s["p99_stall_ms"], "request_goodput": s.get("request_goodput"),
+        "mfu": ev.mfu, "mbu": ev.mbu, "preemptions": ev.preemptions,
+        "steps": len(ev.steps),
+    }
+
+
+def results_json(evaluations: list[Evaluation], meta: dict) -> str:
+    return json.dumps({**meta, "configs": [row(e) for e in evaluations]}, indent=1, default=str)
