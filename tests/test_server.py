@@ -34,7 +34,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", str(model_dir), "--port", str(self.port),
-               "--served-model-name", MODEL, "--dtype", "float32", "--num-kv-blocks", "256", "--block-size", "4",
+               "--served-model-name", MODEL, "--dtype", "float32", "--num-kv-blocks", "1024", "--block-size", "4",
                *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.log: list[str] = []
@@ -67,14 +67,15 @@ class Server:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("serve-llama")
-    save_tiny("llama", d)
+    # long enough a context that a stream outlasts the client timeouts below on a fast CPU
+    save_tiny("llama", d, max_position_embeddings=2048)
     return d
 
 
 @pytest.fixture(scope="module")
 def server(model_dir):
     s = Server(model_dir, "--api-key", API_KEY, "--max-num-seqs", "3", "--max-waiting", "3",
-               "--max-request-bytes", "20000", "--max-model-len", "256", "--peak-flops", "1e11",
+               "--max-request-bytes", "20000", "--max-model-len", "2048", "--peak-flops", "1e11",
                "--peak-memory-bandwidth", "2e10")
     yield s
     s.stop()
@@ -178,24 +179,27 @@ def test_concurrent_streams_interleave(server, client):
             if ch.choices and ch.choices[0].text:
                 events.append((name, time.monotonic()))
 
-    a = threading.Thread(target=run, args=("a", 60))
+    # b starts once a streams; a runs long enough that b joins it mid-stream on any machine
+    a = threading.Thread(target=run, args=("a", 600))
     b = threading.Thread(target=run, args=("b", 60))
     a.start()
-    time.sleep(0.05)
+    deadline = time.monotonic() + 60
+    while not events and time.monotonic() < deadline:
+        time.sleep(0.001)
     b.start()
-    a.join(60)
-    b.join(60)
+    a.join(120)
+    b.join(120)
     names = [n for n, _ in events]
     last_a = max(i for i, n in enumerate(names) if n == "a")
     first_b = names.index("b")
     assert first_b < last_a, "b's tokens only arrived after a finished"
-    assert names.count("a") == names.count("b") == 60
+    assert names.count("a") == 600 and names.count("b") == 60
 
 
 def test_disconnect_frees_blocks(server):
     wait_idle(server)
     with httpx.stream("POST", server.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                      json={"model": MODEL, "prompt": "w1 w2", "max_tokens": 250, "stream": True,
+                      json={"model": MODEL, "prompt": "w1 w2", "max_tokens": 2000, "stream": True,
                             "ignore_eos": True}, timeout=60) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
@@ -209,7 +213,7 @@ def test_non_streaming_disconnect_aborts(server):
     key = 'tandem:request_success_total{finished_reason="abort",model_name="tiny"}'
     before = wait_idle(server).get(key, 0)
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
-        post(server, "/v1/completions", {"prompt": "w1", "max_tokens": 250, "ignore_eos": True},
+        post(server, "/v1/completions", {"prompt": "w1", "max_tokens": 2000, "ignore_eos": True},
              timeout=httpx.Timeout(60, read=0.3))
     assert wait_idle(server, timeout=10)[key] == before + 1
 
@@ -226,8 +230,8 @@ BAD = [
     ({"prompt": ""}, 400, "prompt"),
     ({"prompt": []}, 400, "prompt"),
     ({"prompt": [1, 99999]}, 400, "prompt"),
-    ({"prompt": "w1 " * 300}, 400, "prompt"),
-    ({"prompt": "w1", "max_tokens": 255}, 400, "max_tokens"),
+    ({"prompt": "w1 " * 2100}, 400, "prompt"),
+    ({"prompt": "w1", "max_tokens": 2047}, 400, "max_tokens"),
     ({"prompt": "w1", "stop": 3}, 400, "stop"),
     ({"prompt": "w1", "stream": "yes"}, 400, "stream"),
     ({"max_tokens": 3}, 400, "prompt"),
@@ -286,7 +290,7 @@ def test_queue_bound_gives_429(server):
     lock = threading.Lock()
 
     def fire():
-        r = post(server, "/v1/completions", {"prompt": "w4 w5", "max_tokens": 120, "ignore_eos": True})
+        r = post(server, "/v1/completions", {"prompt": "w4 w5", "max_tokens": 1000, "ignore_eos": True})
         with lock:
             results.append(r)
 

@@ -10,7 +10,7 @@ import torch
 VOCAB = 384
 
 
-def hf_config(family: str):
+def hf_config(family: str, **overrides):
     import transformers as tf
 
     common = dict(
@@ -25,6 +25,7 @@ def hf_config(family: str):
         eos_token_id=2,
         pad_token_id=0,
     )
+    common.update(overrides)
     if family == "llama":
         return tf.LlamaConfig(
             **common,
@@ -43,11 +44,11 @@ def hf_config(family: str):
     raise ValueError(family)
 
 
-def build_reference(family: str, seed: int = 0):
+def build_reference(family: str, seed: int = 0, **overrides):
     import transformers as tf
 
     torch.manual_seed(seed)
-    config = hf_config(family)
+    config = hf_config(family, **overrides)
     cls = tf.Gemma3ForCausalLM if family == "gemma3" else tf.AutoModelForCausalLM
     model = cls.from_config(config, dtype=torch.float32) if family != "gemma3" else cls(config)
     # Random norms, so that a norm applied with the wrong convention is caught.
@@ -75,8 +76,8 @@ def write_tokenizer(directory: Path) -> None:
     )
 
 
-def save_tiny(family: str, directory: Path, seed: int = 0):
-    model = build_reference(family, seed)
+def save_tiny(family: str, directory: Path, seed: int = 0, **overrides):
+    model = build_reference(family, seed, **overrides)
     model.save_pretrained(directory)
     write_tokenizer(directory)
     return model
