@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tandem.weights.gguf_fields import numeric_array, optional_id, scalar, string_array
+
 if TYPE_CHECKING:  # pragma: no cover
     import gguf
 
@@ -132,62 +134,6 @@ class TokenizerSpec:
 
 
 # --------------------------------------------------------------------------------------------
-# Reading metadata
-# --------------------------------------------------------------------------------------------
-
-
-def _field(reader: "gguf.GGUFReader", key: str):
-    return reader.fields.get(key)
-
-
-def _scalar(reader: "gguf.GGUFReader", key: str, default: Any = None) -> Any:
-    field = _field(reader, key)
-    if field is None or not field.types:
-        return default
-    from gguf import GGUFValueType
-
-    if field.types[0] == GGUFValueType.STRING:
-        return bytes(field.parts[-1]).decode("utf-8")
-    if field.types[0] == GGUFValueType.ARRAY:
-        return field.contents()
-    value = field.parts[-1].tolist()
-    return value[0] if isinstance(value, list) else value
-
-
-def _string_array(reader: "gguf.GGUFReader", key: str) -> list[str] | None:
-    field = _field(reader, key)
-    if field is None:
-        return None
-    parts = field.parts
-    # Same as field.contents(), minus its per-call overhead; ~0.25 s for 262k entries.
-    return [parts[i].tobytes().decode("utf-8", errors="replace") for i in field.data]
-
-
-def _numeric_array(reader: "gguf.GGUFReader", key: str) -> np.ndarray | None:
-    field = _field(reader, key)
-    if field is None:
-        return None
-    if not field.data:
-        return np.zeros(0)
-    parts = field.parts
-    first, last = parts[field.data[0]], parts[field.data[-1]]
-    count = len(field.data)
-    # GGUFReader keeps every element as its own one-item view of the file mapping; when they
-    # sit back to back (they always do in a well-formed file) take the whole run in one view.
-    base = getattr(reader, "data", None)
-    if isinstance(base, np.ndarray) and base.dtype == np.uint8 and first.size == 1:
-        itemsize = first.dtype.itemsize
-        start = first.__array_interface__["data"][0] - base.__array_interface__["data"][0]
-        end = last.__array_interface__["data"][0] - base.__array_interface__["data"][0] + itemsize
-        if 0 <= start and end <= base.size and end - start == count * itemsize:
-            values = np.array(base[start:end].view(first.dtype))
-            if values[:1].tobytes() == first.tobytes() and values[-1:].tobytes() == last.tobytes():
-                return values
-    # Fallback: concatenate the one-item views (still ~10x faster than field.contents()).
-    return np.concatenate([parts[i] for i in field.data])
-
-
-# --------------------------------------------------------------------------------------------
 # Shared helpers
 # --------------------------------------------------------------------------------------------
 
@@ -232,9 +178,9 @@ def _eos_ids(reader: "gguf.GGUFReader", tokens: list[str], types: np.ndarray) ->
         if 0 <= i < len(tokens) and i not in ids:
             ids.append(i)
 
-    add(_scalar(reader, "tokenizer.ggml.eos_token_id"))
-    add(_scalar(reader, "tokenizer.ggml.eot_token_id"))
-    add(_scalar(reader, "tokenizer.ggml.eom_token_id"))
+    add(scalar(reader, "tokenizer.ggml.eos_token_id"))
+    add(scalar(reader, "tokenizer.ggml.eot_token_id"))
+    add(scalar(reader, "tokenizer.ggml.eom_token_id"))
     for i in np.flatnonzero(types == _CONTROL).tolist():
         if tokens[i] in _EOG_TEXTS:
             add(i)
@@ -245,7 +191,7 @@ def _bpe_model(reader, tokens: list[str], vocab: dict, merges: "_MergeIds", sent
                ignore_merges: bool = False) -> dict[str, Any]:
     """tokenizers' BPE model section. SentencePiece-style vocabularies (``llama``) fuse unknown
     pieces and fall back to bytes; byte-level ones (``gpt2``) do neither."""
-    unk_id = _optional_id(reader, "tokenizer.ggml.unknown_token_id", len(tokens))
+    unk_id = optional_id(reader, "tokenizer.ggml.unknown_token_id", len(tokens))
     return {
         "type": "BPE",
         "dropout": None,
@@ -258,14 +204,6 @@ def _bpe_model(reader, tokens: list[str], vocab: dict, merges: "_MergeIds", sent
         "vocab": vocab,
         "merges": merges,
     }
-
-
-def _optional_id(reader: "gguf.GGUFReader", key: str, n_vocab: int) -> int | None:
-    value = _scalar(reader, key)
-    if value is None:
-        return None
-    value = int(value)
-    return value if 0 <= value < n_vocab else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -408,9 +346,9 @@ def _ordered_merges(
 
 def _llama_tokenizer(reader: "gguf.GGUFReader", tokens: list[str], types: np.ndarray) -> dict[str, Any]:
     n = len(tokens)
-    scores = _numeric_array(reader, "tokenizer.ggml.scores")
-    arch = _scalar(reader, "general.architecture", "") or ""
-    add_space_prefix = bool(_scalar(reader, "tokenizer.ggml.add_space_prefix", True))
+    scores = numeric_array(reader, "tokenizer.ggml.scores")
+    arch = scalar(reader, "general.architecture", "") or ""
+    add_space_prefix = bool(scalar(reader, "tokenizer.ggml.add_space_prefix", True))
 
     lens = np.fromiter(map(len, tokens), dtype=np.int64, count=n)
     codepoints = np.frombuffer("".join(tokens).encode("utf-32-le"), dtype=np.uint32).copy()
@@ -510,8 +448,8 @@ def _byte_level_spelling(text: str) -> str:
 
 
 def _gpt2_tokenizer(reader: "gguf.GGUFReader", tokens: list[str], types: np.ndarray) -> dict[str, Any]:
-    merges_raw = _string_array(reader, "tokenizer.ggml.merges") or []
-    pre = (_scalar(reader, "tokenizer.ggml.pre", "") or "").lower()
+    merges_raw = string_array(reader, "tokenizer.ggml.merges") or []
+    pre = (scalar(reader, "tokenizer.ggml.pre", "") or "").lower()
 
     alphabet = frozenset(_byte_to_unicode().values())
     # Ordinary tokens must be spelled in the byte alphabet; a converter occasionally writes one
@@ -625,18 +563,18 @@ def tokenizer_from_gguf(reader: "gguf.GGUFReader") -> TokenizerSpec:
 
     Raises ``ValueError`` for a ``tokenizer.ggml.model`` other than ``"llama"`` or ``"gpt2"``.
     """
-    model_name = _scalar(reader, "tokenizer.ggml.model")
+    model_name = scalar(reader, "tokenizer.ggml.model")
     if model_name not in ("llama", "gpt2"):
         raise ValueError(
             f"unsupported GGUF tokenizer: tokenizer.ggml.model={model_name!r} "
             "(supported: 'llama', 'gpt2')"
         )
-    tokens = _string_array(reader, "tokenizer.ggml.tokens")
+    tokens = string_array(reader, "tokenizer.ggml.tokens")
     if not tokens:
         raise ValueError("GGUF file has no tokenizer.ggml.tokens")
     n = len(tokens)
     original_tokens = list(tokens)
-    types = _numeric_array(reader, "tokenizer.ggml.token_type")
+    types = numeric_array(reader, "tokenizer.ggml.token_type")
     if types is None or types.size != n:
         types = np.full(n, _NORMAL, dtype=np.int64)
     types = types.astype(np.int64)
@@ -660,12 +598,12 @@ def tokenizer_from_gguf(reader: "gguf.GGUFReader") -> TokenizerSpec:
         if gc_was_enabled:
             gc.enable()
 
-    bos = _optional_id(reader, "tokenizer.ggml.bos_token_id", n)
-    add_bos = _scalar(reader, "tokenizer.ggml.add_bos_token")
+    bos = optional_id(reader, "tokenizer.ggml.bos_token_id", n)
+    add_bos = scalar(reader, "tokenizer.ggml.add_bos_token")
     add_bos = default_add_bos if add_bos is None else bool(add_bos)
     if bos is None:
         add_bos = False
-    chat_template = _scalar(reader, "tokenizer.chat_template")
+    chat_template = scalar(reader, "tokenizer.chat_template")
 
     return TokenizerSpec(
         tokenizer_json=tokenizer_json,
