@@ -36,12 +36,12 @@ from __future__ import annotations
 import gc
 import json
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tandem.weights.bpe_merges import MergeIds, derive_merges
+from tandem.weights.byte_level import byte_level_spelling, byte_to_unicode, ignores_merges, split_regex
 from tandem.weights.gguf_fields import numeric_array, optional_id, scalar, string_array
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -60,52 +60,6 @@ _SPACE_PIECE = "\u2581"  # "▁", SentencePiece's spelling of a space
 # piece); vocabulary order is what transformers' GGUF loader uses, and for ordinary tokens
 # it coincides with the score order anyway.
 _POSITION_RANKED_ARCHS = ("gemma", "gemma2", "gemma3", "gemma3n", "gemma-embedding")
-
-# Split regexes by tokenizer.ggml.pre for byte-level vocabularies.
-_GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN35_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT4O_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_TEKKEN_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_BYTE_LEVEL_SPLITS = {
-    "gpt-2": _GPT2_SPLIT,
-    "gpt2": _GPT2_SPLIT,
-    "llama3": _LLAMA3_SPLIT,
-    "llama-v3": _LLAMA3_SPLIT,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-    "falcon3": _LLAMA3_SPLIT,
-    "dbrx": _LLAMA3_SPLIT,
-    "pixtral": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
-    "deepseek-r1-qwen": _QWEN2_SPLIT,
-    "megrez": _QWEN2_SPLIT,
-    "qwen35": _QWEN35_SPLIT,
-    "gpt-4o": _GPT4O_SPLIT,
-    "llama4": _GPT4O_SPLIT,
-    "tekken": _TEKKEN_SPLIT,
-}
-# Pre-tokenizer types whose reference tokenizer (and llama.cpp) look a whole pre-token up in the
-# vocabulary before applying merges.
-_IGNORE_MERGES_PRES = frozenset({"llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "llama4"})
 
 # Control tokens that end a turn, and so end generation, besides the declared EOS
 # (llama.cpp's end-of-generation heuristic).
@@ -292,29 +246,11 @@ def _llama_tokenizer(reader: "gguf.GGUFReader", tokens: list[str], types: np.nda
 # --------------------------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=1)
-def _byte_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    table = {b: chr(b) for b in keep}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-def _byte_level_spelling(text: str) -> str:
-    table = _byte_to_unicode()
-    return "".join(table[b] for b in text.encode("utf-8"))
-
-
 def _gpt2_tokenizer(reader: "gguf.GGUFReader", tokens: list[str], types: np.ndarray) -> dict[str, Any]:
     merges_raw = string_array(reader, "tokenizer.ggml.merges") or []
     pre = (scalar(reader, "tokenizer.ggml.pre", "") or "").lower()
 
-    alphabet = frozenset(_byte_to_unicode().values())
+    alphabet = frozenset(byte_to_unicode().values())
     # Ordinary tokens must be spelled in the byte alphabet; a converter occasionally writes one
     # as raw text, so respell it.  Added (control / user-defined) tokens keep their raw text:
     # they are matched in the raw input and never reached through merges, so their vocabulary
@@ -324,7 +260,7 @@ def _gpt2_tokenizer(reader: "gguf.GGUFReader", tokens: list[str], types: np.ndar
     for i, tok in enumerate(tokens):
         if special_mask[i] or set(tok) <= alphabet:
             continue
-        new = _byte_level_spelling(tok)
+        new = byte_level_spelling(tok)
         respelled[tok] = new
         tokens[i] = new
     vocab = _unique_vocab(tokens)
@@ -339,7 +275,7 @@ def _gpt2_tokenizer(reader: "gguf.GGUFReader", tokens: list[str], types: np.ndar
         merge_left.append(vocab[a])
         merge_right.append(vocab[b])
 
-    split = _BYTE_LEVEL_SPLITS.get(pre, _GPT2_SPLIT)
+    split = split_regex(pre)
     pre_tokenizer = {
         "type": "Sequence",
         "pretokenizers": [
@@ -348,7 +284,7 @@ def _gpt2_tokenizer(reader: "gguf.GGUFReader", tokens: list[str], types: np.ndar
         ],
     }
     merges = MergeIds(np.asarray(merge_left, dtype=np.int64), np.asarray(merge_right, dtype=np.int64))
-    model = _bpe_model(reader, tokens, vocab, merges, sentencepiece=False, ignore_merges=pre in _IGNORE_MERGES_PRES)
+    model = _bpe_model(reader, tokens, vocab, merges, sentencepiece=False, ignore_merges=ignores_merges(pre))
     added = [
         _added_token(tokens[i], i, special=bool(types[i] == _CONTROL))
         for i in np.flatnonzero(special_mask).tolist()
