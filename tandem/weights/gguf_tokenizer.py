@@ -9,11 +9,10 @@ Two tokenizer families are supported, named by ``tokenizer.ggml.model``:
 
 ``"llama"``  (SentencePiece BPE: Llama 2 / TinyLlama, Gemma 1-3)
     A BPE model with byte fallback over "▁"-for-space pieces.  The file has no merges, so
-    they are derived from the vocabulary: ``a + b`` is a merge whenever ``a``, ``b`` and
-    ``a+b`` are all tokens, ranked by the merged token (highest score first; for Gemma
-    files, whose scores do not follow the merge order, by position in the vocabulary).
-    Token types CONTROL / USER_DEFINED become special / added tokens so that
-    ``<start_of_turn>`` or ``\\n\\n`` in a prompt stays one token.
+    they are derived from the vocabulary (:mod:`tandem.weights.bpe_merges`), ranked by the
+    merged token's score, or for Gemma files, whose scores do not follow the merge order, by
+    its position in the vocabulary.  Token types CONTROL / USER_DEFINED become special /
+    added tokens so that ``<start_of_turn>`` or ``\\n\\n`` in a prompt stays one token.
 
 ``"gpt2"``  (byte-level BPE: Qwen2/Qwen3, Llama 3, ...)
     Vocabulary and merges come straight from the file; a regex ``Split`` chosen by
@@ -34,7 +33,7 @@ BOS is never added by the tokenizer's post-processor: the engine adds it itself 
 from __future__ import annotations
 
 import gc
-import json
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +42,7 @@ import numpy as np
 from tandem.weights.bpe_merges import MergeIds, derive_merges
 from tandem.weights.byte_level import byte_level_spelling, byte_to_unicode, ignores_merges, split_regex
 from tandem.weights.gguf_fields import numeric_array, optional_id, scalar, string_array
+from tandem.weights.tokenizer_json import added_token, bpe_model, serialize, tokenizer_document
 
 if TYPE_CHECKING:  # pragma: no cover
     import gguf
@@ -51,6 +51,8 @@ __all__ = ["TokenizerSpec", "tokenizer_from_gguf"]
 
 # llama.cpp token types (gguf.TokenType).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+_DUPLICATE_PREFIX = "<gguf_duplicate_"  # a placeholder for a repeated spelling, see _unique_vocab
 
 _SPACE_PIECE = "\u2581"  # "▁", SentencePiece's spelling of a space
 
@@ -93,18 +95,6 @@ class TokenizerSpec:
 # --------------------------------------------------------------------------------------------
 
 
-def _added_token(content: str, token_id: int, special: bool) -> dict[str, Any]:
-    return {
-        "id": int(token_id),
-        "content": content,
-        "single_word": False,
-        "lstrip": False,
-        "rstrip": False,
-        "normalized": False,
-        "special": special,
-    }
-
-
 def _unique_vocab(tokens: list[str]) -> dict[str, int]:
     """token -> id.  A later duplicate spelling (a broken file) is renamed in place to a
     placeholder so that every id keeps its slot and the vocabulary size still matches the
@@ -115,7 +105,7 @@ def _unique_vocab(tokens: list[str]) -> dict[str, int]:
     vocab = {}
     for i, tok in enumerate(tokens):
         if tok in vocab:
-            tok = f"<gguf_duplicate_{i}>"
+            tok = f"{_DUPLICATE_PREFIX}{i}>"
             tokens[i] = tok
         vocab[tok] = i
     if len(vocab) != len(tokens):
@@ -142,23 +132,19 @@ def _eos_ids(reader: "gguf.GGUFReader", tokens: list[str], types: np.ndarray) ->
     return tuple(ids)
 
 
-def _bpe_model(reader, tokens: list[str], vocab: dict, merges: "MergeIds", sentencepiece: bool,
-               ignore_merges: bool = False) -> dict[str, Any]:
-    """tokenizers' BPE model section. SentencePiece-style vocabularies (``llama``) fuse unknown
-    pieces and fall back to bytes; byte-level ones (``gpt2``) do neither."""
+def _added_tokens(tokens: list[str], types: np.ndarray, skip: Container[int] = ()) -> list[dict[str, Any]]:
+    """Control / user-defined tokens as added tokens, in id order, except duplicate
+    placeholders and the ids in ``skip``."""
+    return [
+        added_token(tokens[i], i, special=bool(types[i] == _CONTROL))
+        for i in np.flatnonzero((types == _CONTROL) | (types == _USER_DEFINED)).tolist()
+        if tokens[i] and not tokens[i].startswith(_DUPLICATE_PREFIX) and i not in skip
+    ]
+
+
+def _unk_token(reader: "gguf.GGUFReader", tokens: list[str]) -> str | None:
     unk_id = optional_id(reader, "tokenizer.ggml.unknown_token_id", len(tokens))
-    return {
-        "type": "BPE",
-        "dropout": None,
-        "unk_token": tokens[unk_id] if unk_id is not None else None,
-        "continuing_subword_prefix": None,
-        "end_of_word_suffix": None,
-        "fuse_unk": sentencepiece,
-        "byte_fallback": sentencepiece,
-        "ignore_merges": ignore_merges,
-        "vocab": vocab,
-        "merges": merges,
-    }
+    return tokens[unk_id] if unk_id is not None else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -201,7 +187,7 @@ def _llama_tokenizer(reader: "gguf.GGUFReader", tokens: list[str], types: np.nda
     # BYTE tokens are produced by byte fallback only, never by merging "<0x" pieces.
     merges = derive_merges(tokens, vocab, codepoints, lens, types != _BYTE, rank)
 
-    model = _bpe_model(reader, tokens, vocab, merges, sentencepiece=True)
+    model = bpe_model(vocab, merges, _unk_token(reader, tokens), sentencepiece=True)
 
     if add_space_prefix:
         normalizer = None
@@ -217,28 +203,11 @@ def _llama_tokenizer(reader: "gguf.GGUFReader", tokens: list[str], types: np.nda
     if add_space_prefix:
         decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
 
-    added: list[dict[str, Any]] = []
-    for i in np.flatnonzero((types == _CONTROL) | (types == _USER_DEFINED)).tolist():
-        tok = tokens[i]
-        if not tok or tok.startswith("<gguf_duplicate_"):
-            continue
-        if i in respelled_ids:
-            # Whitespace runs: reached through merges of "▁" after the space normalizer (a raw
-            # text match would never see them: the input holds spaces, the vocabulary "▁").
-            continue
-        added.append(_added_token(tok, i, special=bool(types[i] == _CONTROL)))
-
-    return {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": added,
-        "normalizer": normalizer,
-        "pre_tokenizer": pre_tokenizer,
-        "post_processor": None,
-        "decoder": {"type": "Sequence", "decoders": decoders},
-        "model": model,
-    }
+    # Whitespace runs are not added tokens: they are reached through merges of "▁" after the
+    # space normalizer (a raw text match would never see them: the input holds spaces, the
+    # vocabulary "▁").
+    added = _added_tokens(tokens, types, skip=respelled_ids)
+    return tokenizer_document(added, normalizer, pre_tokenizer, {"type": "Sequence", "decoders": decoders}, model)
 
 
 # --------------------------------------------------------------------------------------------
@@ -284,64 +253,9 @@ def _gpt2_tokenizer(reader: "gguf.GGUFReader", tokens: list[str], types: np.ndar
         ],
     }
     merges = MergeIds(np.asarray(merge_left, dtype=np.int64), np.asarray(merge_right, dtype=np.int64))
-    model = _bpe_model(reader, tokens, vocab, merges, sentencepiece=False, ignore_merges=ignores_merges(pre))
-    added = [
-        _added_token(tokens[i], i, special=bool(types[i] == _CONTROL))
-        for i in np.flatnonzero(special_mask).tolist()
-        if tokens[i] and not tokens[i].startswith("<gguf_duplicate_")
-    ]
-    return {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": added,
-        "normalizer": None,
-        "pre_tokenizer": pre_tokenizer,
-        "post_processor": None,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
-        "model": model,
-    }
-
-
-# --------------------------------------------------------------------------------------------
-# Serialization
-# --------------------------------------------------------------------------------------------
-
-
-_MERGES_PLACEHOLDER = "\x00tandem-merges\x00"
-
-
-def _serialize(data: dict[str, Any], tokens: list[str]) -> str:
-    """``json.dumps(data)``, with ``data["model"]["merges"]`` (a :class:`MergeIds`) spelled out
-    straight from pre-escaped token literals, which is several times cheaper than building and
-    encoding ~500k small Python containers.
-
-    Merges are written as ``"a b"`` strings (the only form tokenizers < 0.20 reads) unless a
-    merged piece contains a space, in which case the ``["a", "b"]`` form is required.
-    """
-    from json.encoder import encode_basestring  # the C escaper json.dumps(ensure_ascii=False) uses
-
-    model = data["model"]
-    merges: MergeIds = model["merges"]
-    model["merges"] = _MERGES_PLACEHOLDER
-    text = json.dumps(data, ensure_ascii=False)
-    # A '"' inside a token is escaped, so this key/value pair can only be the structural one.
-    marker = '"merges": ' + json.dumps(_MERGES_PLACEHOLDER, ensure_ascii=False)
-    head, found, tail = text.partition(marker)
-    if not found:  # pragma: no cover - json.dumps' default separators guarantee the marker
-        raise AssertionError("merges placeholder not found")
-
-    left, right = merges.left.tolist(), merges.right.tolist()
-    used = np.unique(np.concatenate([merges.left, merges.right])).tolist()
-    literal = list(map(encode_basestring, tokens))
-    if any(" " in tokens[i] for i in used):
-        spell = literal.__getitem__
-        pairs = map("[{},{}]".format, map(spell, left), map(spell, right))
-    else:
-        inner = [lit[1:-1] for lit in literal]
-        spell = inner.__getitem__
-        pairs = map('"{} {}"'.format, map(spell, left), map(spell, right))
-    return "".join((head, '"merges": [', ",".join(pairs), "]", tail))
+    model = bpe_model(vocab, merges, _unk_token(reader, tokens), sentencepiece=False, ignore_merges=ignores_merges(pre))
+    decoder = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    return tokenizer_document(_added_tokens(tokens, types), None, pre_tokenizer, decoder, model)
 
 
 # --------------------------------------------------------------------------------------------
@@ -383,7 +297,7 @@ def tokenizer_from_gguf(reader: "gguf.GGUFReader") -> TokenizerSpec:
         else:
             data = _gpt2_tokenizer(reader, tokens, types)
             default_add_bos = False
-        tokenizer_json = _serialize(data, tokens)
+        tokenizer_json = serialize(data, tokens)
         del data
     finally:
         if gc_was_enabled:
