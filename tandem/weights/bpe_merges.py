@@ -1,9 +1,10 @@
 """BPE merges derived from a vocabulary that lists none (GGUF's SentencePiece-style files).
 
 ``a + b`` is a merge whenever ``a``, ``b`` and ``a+b`` are all tokens; merges are ranked by
-the merged token, the order transformers' ``generate_merges`` produces.  Finding every split
-of a 262k-token vocabulary by dictionary look-ups takes seconds, so a vectorized hashed search
-does it, with the exact look-ups kept as the fallback (and the reference for tests).
+the merged token, the order transformers' ``generate_merges`` produces.  A 262k-token
+vocabulary has over a million candidate splits, too many for one dictionary look-up each in
+Python, so a vectorized hashed search finds them; the exact look-ups stay as the fallback
+(and the reference for tests).
 """
 
 from __future__ import annotations
