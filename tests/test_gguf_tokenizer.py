@@ -473,7 +473,7 @@ def test_unsupported_tokenizer_model_raises(tmp_path) -> None:
 
 def test_hashed_merge_search_matches_exact_search() -> None:
     """The vectorized split search agrees with plain dictionary look-ups."""
-    from tandem.weights import gguf_tokenizer as gt
+    from tandem.weights import bpe_merges as gt
 
     rng = np.random.default_rng(0)
     alphabet = list("ab▁c\u00e9\U0001f917")

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from tandem.models.spec import FAMILIES, ModelSpec, RopeSpec
+from tandem.weights.gguf_fields import array_length, scalar
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -47,29 +48,21 @@ def open_gguf(path: Path):
         raise ValueError(f"model: {path} is not a readable GGUF file ({exc})") from exc
 
 
-def _field(reader, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    value = f.contents()
-    return value
-
-
 def spec_from_gguf(reader) -> ModelSpec:
-    arch = _field(reader, "general.architecture")
+    arch = scalar(reader, "general.architecture")
     family = FAMILIES.get(arch or "")
     if family is None:
         raise ValueError(f"model: unsupported GGUF architecture {arch!r}")
 
     def get(key: str, default: Any = None) -> Any:
-        return _field(reader, f"{arch}.{key}", default)
+        return scalar(reader, f"{arch}.{key}", default)
 
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
     kv_heads = get("attention.head_count_kv", heads)
     head_dim = int(get("attention.key_length", hidden // heads))
     names = {t.name for t in reader.tensors}
-    vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else None
+    vocab = array_length(reader, "tokenizer.ggml.tokens")
     if vocab is None:
         embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
         vocab = int(embd.shape[-1])
@@ -80,7 +73,7 @@ def spec_from_gguf(reader) -> ModelSpec:
         scaling_type="linear" if scaling_type == "linear" and factor != 1.0 else "default",
         factor=factor if scaling_type == "linear" else 1.0,
     )
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eos = scalar(reader, "tokenizer.ggml.eos_token_id")
     common = dict(
         family=family,
         vocab_size=vocab,
@@ -94,7 +87,7 @@ def spec_from_gguf(reader) -> ModelSpec:
         max_position_embeddings=int(get("context_length", 4096)),
         tie_word_embeddings="output.weight" not in names,
         rope=rope,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=scalar(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
     )
     if family == "gemma3":

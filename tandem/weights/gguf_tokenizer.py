@@ -9,11 +9,10 @@ Two tokenizer families are supported, named by ``tokenizer.ggml.model``:
 
 ``"llama"``  (SentencePiece BPE: Llama 2 / TinyLlama, Gemma 1-3)
     A BPE model with byte fallback over "▁"-for-space pieces.  The file has no merges, so
-    they are derived from the vocabulary: ``a + b`` is a merge whenever ``a``, ``b`` and
-    ``a+b`` are all tokens, ranked by the merged token (highest score first; for Gemma
-    files, whose scores do not follow the merge order, by position in the vocabulary).
-    Token types CONTROL / USER_DEFINED become special / added tokens so that
-    ``<start_of_turn>`` or ``\\n\\n`` in a prompt stays one token.
+    they are derived from the vocabulary (:mod:`tandem.weights.bpe_merges`), ranked by the
+    merged token's score, or for Gemma files, whose scores do not follow the merge order, by
+    its position in the vocabulary.  Token types CONTROL / USER_DEFINED become special /
+    added tokens so that ``<start_of_turn>`` or ``\\n\\n`` in a prompt stays one token.
 
 ``"gpt2"``  (byte-level BPE: Qwen2/Qwen3, Llama 3, ...)
     Vocabulary and merges come straight from the file; a regex ``Split`` chosen by
@@ -34,12 +33,16 @@ BOS is never added by the tokenizer's post-processor: the engine adds it itself 
 from __future__ import annotations
 
 import gc
-import json
+from collections.abc import Container
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from tandem.weights.bpe_merges import MergeIds, derive_merges
+from tandem.weights.byte_level import byte_level_spelling, byte_to_unicode, ignores_merges, split_regex
+from tandem.weights.gguf_fields import numeric_array, optional_id, scalar, string_array
+from tandem.weights.tokenizer_json import added_token, bpe_model, serialize, tokenizer_document
 
 if TYPE_CHECKING:  # pragma: no cover
     import gguf
@@ -49,6 +52,8 @@ __all__ = ["TokenizerSpec", "tokenizer_from_gguf"]
 # llama.cpp token types (gguf.TokenType).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
+_DUPLICATE_PREFIX = "<gguf_duplicate_"  # a placeholder for a repeated spelling, see _unique_vocab
+
 _SPACE_PIECE = "\u2581"  # "▁", SentencePiece's spelling of a space
 
 # Architectures whose "llama"-model vocabulary is merged in vocabulary order rather than by
@@ -57,52 +62,6 @@ _SPACE_PIECE = "\u2581"  # "▁", SentencePiece's spelling of a space
 # piece); vocabulary order is what transformers' GGUF loader uses, and for ordinary tokens
 # it coincides with the score order anyway.
 _POSITION_RANKED_ARCHS = ("gemma", "gemma2", "gemma3", "gemma3n", "gemma-embedding")
-
-# Split regexes by tokenizer.ggml.pre for byte-level vocabularies.
-_GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN35_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT4O_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_TEKKEN_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_BYTE_LEVEL_SPLITS = {
-    "gpt-2": _GPT2_SPLIT,
-    "gpt2": _GPT2_SPLIT,
-    "llama3": _LLAMA3_SPLIT,
-    "llama-v3": _LLAMA3_SPLIT,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-    "falcon3": _LLAMA3_SPLIT,
-    "dbrx": _LLAMA3_SPLIT,
-    "pixtral": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
-    "deepseek-r1-qwen": _QWEN2_SPLIT,
-    "megrez": _QWEN2_SPLIT,
-    "qwen35": _QWEN35_SPLIT,
-    "gpt-4o": _GPT4O_SPLIT,
-    "llama4": _GPT4O_SPLIT,
-    "tekken": _TEKKEN_SPLIT,
-}
-# Pre-tokenizer types whose reference tokenizer (and llama.cpp) look a whole pre-token up in the
-# vocabulary before applying merges.
-_IGNORE_MERGES_PRES = frozenset({"llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "llama4"})
 
 # Control tokens that end a turn, and so end generation, besides the declared EOS
 # (llama.cpp's end-of-generation heuristic).
@@ -132,76 +91,8 @@ class TokenizerSpec:
 
 
 # --------------------------------------------------------------------------------------------
-# Reading metadata
-# --------------------------------------------------------------------------------------------
-
-
-def _field(reader: "gguf.GGUFReader", key: str):
-    return reader.fields.get(key)
-
-
-def _scalar(reader: "gguf.GGUFReader", key: str, default: Any = None) -> Any:
-    field = _field(reader, key)
-    if field is None or not field.types:
-        return default
-    from gguf import GGUFValueType
-
-    if field.types[0] == GGUFValueType.STRING:
-        return bytes(field.parts[-1]).decode("utf-8")
-    if field.types[0] == GGUFValueType.ARRAY:
-        return field.contents()
-    value = field.parts[-1].tolist()
-    return value[0] if isinstance(value, list) else value
-
-
-def _string_array(reader: "gguf.GGUFReader", key: str) -> list[str] | None:
-    field = _field(reader, key)
-    if field is None:
-        return None
-    parts = field.parts
-    # Same as field.contents(), minus its per-call overhead; ~0.25 s for 262k entries.
-    return [parts[i].tobytes().decode("utf-8", errors="replace") for i in field.data]
-
-
-def _numeric_array(reader: "gguf.GGUFReader", key: str) -> np.ndarray | None:
-    field = _field(reader, key)
-    if field is None:
-        return None
-    if not field.data:
-        return np.zeros(0)
-    parts = field.parts
-    first, last = parts[field.data[0]], parts[field.data[-1]]
-    count = len(field.data)
-    # GGUFReader keeps every element as its own one-item view of the file mapping; when they
-    # sit back to back (they always do in a well-formed file) take the whole run in one view.
-    base = getattr(reader, "data", None)
-    if isinstance(base, np.ndarray) and base.dtype == np.uint8 and first.size == 1:
-        itemsize = first.dtype.itemsize
-        start = first.__array_interface__["data"][0] - base.__array_interface__["data"][0]
-        end = last.__array_interface__["data"][0] - base.__array_interface__["data"][0] + itemsize
-        if 0 <= start and end <= base.size and end - start == count * itemsize:
-            values = np.array(base[start:end].view(first.dtype))
-            if values[:1].tobytes() == first.tobytes() and values[-1:].tobytes() == last.tobytes():
-                return values
-    # Fallback: concatenate the one-item views (still ~10x faster than field.contents()).
-    return np.concatenate([parts[i] for i in field.data])
-
-
-# --------------------------------------------------------------------------------------------
 # Shared helpers
 # --------------------------------------------------------------------------------------------
-
-
-def _added_token(content: str, token_id: int, special: bool) -> dict[str, Any]:
-    return {
-        "id": int(token_id),
-        "content": content,
-        "single_word": False,
-        "lstrip": False,
-        "rstrip": False,
-        "normalized": False,
-        "special": special,
-    }
 
 
 def _unique_vocab(tokens: list[str]) -> dict[str, int]:
@@ -214,7 +105,7 @@ def _unique_vocab(tokens: list[str]) -> dict[str, int]:
     vocab = {}
     for i, tok in enumerate(tokens):
         if tok in vocab:
-            tok = f"<gguf_duplicate_{i}>"
+            tok = f"{_DUPLICATE_PREFIX}{i}>"
             tokens[i] = tok
         vocab[tok] = i
     if len(vocab) != len(tokens):
@@ -232,40 +123,28 @@ def _eos_ids(reader: "gguf.GGUFReader", tokens: list[str], types: np.ndarray) ->
         if 0 <= i < len(tokens) and i not in ids:
             ids.append(i)
 
-    add(_scalar(reader, "tokenizer.ggml.eos_token_id"))
-    add(_scalar(reader, "tokenizer.ggml.eot_token_id"))
-    add(_scalar(reader, "tokenizer.ggml.eom_token_id"))
+    add(scalar(reader, "tokenizer.ggml.eos_token_id"))
+    add(scalar(reader, "tokenizer.ggml.eot_token_id"))
+    add(scalar(reader, "tokenizer.ggml.eom_token_id"))
     for i in np.flatnonzero(types == _CONTROL).tolist():
         if tokens[i] in _EOG_TEXTS:
             add(i)
     return tuple(ids)
 
 
-def _bpe_model(reader, tokens: list[str], vocab: dict, merges: "_MergeIds", sentencepiece: bool,
-               ignore_merges: bool = False) -> dict[str, Any]:
-    """tokenizers' BPE model section. SentencePiece-style vocabularies (``llama``) fuse unknown
-    pieces and fall back to bytes; byte-level ones (``gpt2``) do neither."""
-    unk_id = _optional_id(reader, "tokenizer.ggml.unknown_token_id", len(tokens))
-    return {
-        "type": "BPE",
-        "dropout": None,
-        "unk_token": tokens[unk_id] if unk_id is not None else None,
-        "continuing_subword_prefix": None,
-        "end_of_word_suffix": None,
-        "fuse_unk": sentencepiece,
-        "byte_fallback": sentencepiece,
-        "ignore_merges": ignore_merges,
-        "vocab": vocab,
-        "merges": merges,
-    }
+def _added_tokens(tokens: list[str], types: np.ndarray, skip: Container[int] = ()) -> list[dict[str, Any]]:
+    """Control / user-defined tokens as added tokens, in id order, except duplicate
+    placeholders and the ids in ``skip``."""
+    return [
+        added_token(tokens[i], i, special=bool(types[i] == _CONTROL))
+        for i in np.flatnonzero((types == _CONTROL) | (types == _USER_DEFINED)).tolist()
+        if tokens[i] and not tokens[i].startswith(_DUPLICATE_PREFIX) and i not in skip
+    ]
 
 
-def _optional_id(reader: "gguf.GGUFReader", key: str, n_vocab: int) -> int | None:
-    value = _scalar(reader, key)
-    if value is None:
-        return None
-    value = int(value)
-    return value if 0 <= value < n_vocab else None
+def _unk_token(reader: "gguf.GGUFReader", tokens: list[str]) -> str | None:
+    unk_id = optional_id(reader, "tokenizer.ggml.unknown_token_id", len(tokens))
+    return tokens[unk_id] if unk_id is not None else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,144 +152,11 @@ def _optional_id(reader: "gguf.GGUFReader", key: str, n_vocab: int) -> int | Non
 # --------------------------------------------------------------------------------------------
 
 
-def _find_splits_python(tokens: list[str], vocab: dict[str, int], mergeable: np.ndarray):
-    """Every ``(t, a, b, i)`` with ``tokens[t] == tokens[a] + tokens[b]`` and
-    ``len(tokens[a]) == i``, for mergeable ``t``.  Reference implementation (O(sum of lengths)
-    dict look-ups); :func:`_find_splits_hashed` is the fast path."""
-    merged_ids: list[int] = []
-    left_ids: list[int] = []
-    right_ids: list[int] = []
-    left_lens: list[int] = []
-    get = vocab.get
-    for tid, tok in enumerate(tokens):
-        n = len(tok)
-        if n < 2 or not mergeable[tid]:
-            continue
-        for i in range(1, n):
-            a = get(tok[:i])
-            if a is None:
-                continue
-            b = get(tok[i:])
-            if b is None:
-                continue
-            merged_ids.append(tid)
-            left_ids.append(a)
-            right_ids.append(b)
-            left_lens.append(i)
-    as_array = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
-    return as_array(merged_ids), as_array(left_ids), as_array(right_ids), as_array(left_lens)
-
-
-# Two fixed odd 64-bit bases for polynomial string hashing modulo 2**64.
-_HASH_BASES = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F)
-
-
-def _find_splits_hashed(codepoints: np.ndarray, lens: np.ndarray, mergeable: np.ndarray):
-    """Vectorized :func:`_find_splits_python`.
-
-    ``codepoints`` is the concatenation of all tokens (one uint32 per character) and ``lens``
-    their lengths.  Every substring gets two independent polynomial hashes (mod 2**64) from
-    prefix sums; a split ``t = a + b`` is accepted when both halves match a token on both
-    hashes and on length.  Returns ``None`` when two distinct tokens share a hash, in which case
-    the caller falls back to exact look-ups.
-    """
-    n_tok = lens.size
-    total = int(lens.sum())
-    starts = np.zeros(n_tok, dtype=np.int64)
-    np.cumsum(lens[:-1], out=starts[1:])
-    values = codepoints.astype(np.uint64) + np.uint64(1)
-
-    cand = np.flatnonzero((lens >= 2) & mergeable)
-    counts = lens[cand] - 1
-    t_rep = np.repeat(cand, counts)
-    # split position i = 1 .. len-1 inside each candidate token
-    first = np.zeros(cand.size, dtype=np.int64)
-    np.cumsum(counts[:-1], out=first[1:])
-    split = np.arange(t_rep.size, dtype=np.int64) - np.repeat(first, counts) + 1
-    x0 = starts[t_rep]
-    xm = x0 + split
-    x1 = x0 + lens[t_rep]
-
-    with np.errstate(over="ignore"):
-        hashes = []
-        for base in _HASH_BASES:
-            powers = np.full(total, base, dtype=np.uint64)
-            powers[0] = 1
-            powers = np.cumprod(powers, dtype=np.uint64)  # base**k mod 2**64
-            inv_powers = np.full(total + 1, pow(base, -1, 1 << 64), dtype=np.uint64)
-            inv_powers[0] = 1
-            inv_powers = np.cumprod(inv_powers, dtype=np.uint64)
-            prefix = np.zeros(total + 1, dtype=np.uint64)
-            np.cumsum(values * powers, dtype=np.uint64, out=prefix[1:])
-
-            def substring(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-                # hash(s) = sum_k (s_k + 1) * base**k, independent of where s sits
-                return (prefix[y] - prefix[x]) * inv_powers[x]
-
-            hashes.append((substring(starts, starts + lens), substring(x0, xm), substring(xm, x1)))
-
-    (tok_h1, left_h1, right_h1), (tok_h2, left_h2, right_h2) = hashes
-    order = np.argsort(tok_h1, kind="stable")
-    sorted_h1 = tok_h1[order]
-    if sorted_h1.size > 1 and bool(np.any(sorted_h1[1:] == sorted_h1[:-1])):
-        return None
-
-    # A bitmap over the top hash bits rejects most non-tokens before the binary search.
-    filter_bits = min(24, (4 * n_tok).bit_length() + 2)
-    shift = np.uint64(64 - filter_bits)
-    present = np.zeros(1 << filter_bits, dtype=bool)
-    present[(tok_h1 >> shift).astype(np.intp)] = True
-
-    def lookup(h1: np.ndarray, h2: np.ndarray, length: np.ndarray):
-        """(indices of the queries that spell a token, that token's id)"""
-        q = np.flatnonzero(present[(h1 >> shift).astype(np.intp)])
-        pos = np.minimum(np.searchsorted(sorted_h1, h1[q]), sorted_h1.size - 1)
-        ids = order[pos]
-        ok = (sorted_h1[pos] == h1[q]) & (tok_h2[ids] == h2[q]) & (lens[ids] == length[q])
-        return q[ok], ids[ok]
-
-    left_q, left = lookup(left_h1, left_h2, split)
-    # right halves are only looked up where the left half is a token
-    right_q, right = lookup(right_h1[left_q], right_h2[left_q], (x1 - xm)[left_q])
-    keep = left_q[right_q]
-    return t_rep[keep], left[right_q], right, split[keep]
-
-
-def _ordered_merges(
-    tokens: list[str],
-    lens: np.ndarray,
-    rank: np.ndarray,
-    splits: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
-) -> tuple[np.ndarray, np.ndarray]:
-    """(left ids, right ids) of the merges, sorted by ``rank`` of the merged token (lower
-    first), then longer left piece, then longer right piece, then merged id -- the order
-    transformers' ``generate_merges`` produces for the same vocabulary and scores."""
-    merged, left, right, llen = splits
-    if merged.size == 0:
-        return left, right
-    rlen = lens[merged] - llen
-    # Within one merged token the left length picks the split, so (rank, -llen, -rlen, merged)
-    # is already unique; pack it into one int64 when it fits (one argsort instead of a lexsort).
-    dense_rank = np.unique(rank, return_inverse=True)[1].reshape(-1)
-    len_bits = int(lens.max()).bit_length()
-    id_bits = int(lens.size).bit_length()
-    if 2 * id_bits + 2 * len_bits <= 62:
-        max_len = int(lens.max())
-        key = dense_rank[merged].astype(np.int64)
-        key = (key << len_bits) | (max_len - llen)
-        key = (key << len_bits) | (max_len - rlen)
-        key = (key << id_bits) | merged
-        order = np.argsort(key)
-    else:
-        order = np.lexsort((right, left, merged, -rlen, -llen, dense_rank[merged]))  # last key first
-    return left[order], right[order]
-
-
 def _llama_tokenizer(reader: "gguf.GGUFReader", tokens: list[str], types: np.ndarray) -> dict[str, Any]:
     n = len(tokens)
-    scores = _numeric_array(reader, "tokenizer.ggml.scores")
-    arch = _scalar(reader, "general.architecture", "") or ""
-    add_space_prefix = bool(_scalar(reader, "tokenizer.ggml.add_space_prefix", True))
+    scores = numeric_array(reader, "tokenizer.ggml.scores")
+    arch = scalar(reader, "general.architecture", "") or ""
+    add_space_prefix = bool(scalar(reader, "tokenizer.ggml.add_space_prefix", True))
 
     lens = np.fromiter(map(len, tokens), dtype=np.int64, count=n)
     codepoints = np.frombuffer("".join(tokens).encode("utf-32-le"), dtype=np.uint32).copy()
@@ -439,14 +185,9 @@ def _llama_tokenizer(reader: "gguf.GGUFReader", tokens: list[str], types: np.nda
     else:
         rank = -scores.astype(np.float64)
     # BYTE tokens are produced by byte fallback only, never by merging "<0x" pieces.
-    mergeable = types != _BYTE
-    splits = _find_splits_hashed(codepoints, lens, mergeable)
-    if splits is None:  # a hash collision or duplicate tokens: exact look-ups instead
-        splits = _find_splits_python(tokens, vocab, mergeable)
-        lens = np.fromiter(map(len, tokens), dtype=np.int64, count=n)
-    merge_left, merge_right = _ordered_merges(tokens, lens, rank, splits)
+    merges = derive_merges(tokens, vocab, codepoints, lens, types != _BYTE, rank)
 
-    model = _bpe_model(reader, tokens, vocab, _MergeIds(merge_left, merge_right), sentencepiece=True)
+    model = bpe_model(vocab, merges, _unk_token(reader, tokens), sentencepiece=True)
 
     if add_space_prefix:
         normalizer = None
@@ -462,28 +203,11 @@ def _llama_tokenizer(reader: "gguf.GGUFReader", tokens: list[str], types: np.nda
     if add_space_prefix:
         decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
 
-    added: list[dict[str, Any]] = []
-    for i in np.flatnonzero((types == _CONTROL) | (types == _USER_DEFINED)).tolist():
-        tok = tokens[i]
-        if not tok or tok.startswith("<gguf_duplicate_"):
-            continue
-        if i in respelled_ids:
-            # Whitespace runs: reached through merges of "▁" after the space normalizer (a raw
-            # text match would never see them: the input holds spaces, the vocabulary "▁").
-            continue
-        added.append(_added_token(tok, i, special=bool(types[i] == _CONTROL)))
-
-    return {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": added,
-        "normalizer": normalizer,
-        "pre_tokenizer": pre_tokenizer,
-        "post_processor": None,
-        "decoder": {"type": "Sequence", "decoders": decoders},
-        "model": model,
-    }
+    # Whitespace runs are not added tokens: they are reached through merges of "▁" after the
+    # space normalizer (a raw text match would never see them: the input holds spaces, the
+    # vocabulary "▁").
+    added = _added_tokens(tokens, types, skip=respelled_ids)
+    return tokenizer_document(added, normalizer, pre_tokenizer, {"type": "Sequence", "decoders": decoders}, model)
 
 
 # --------------------------------------------------------------------------------------------
@@ -491,29 +215,11 @@ def _llama_tokenizer(reader: "gguf.GGUFReader", tokens: list[str], types: np.nda
 # --------------------------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=1)
-def _byte_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    table = {b: chr(b) for b in keep}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-def _byte_level_spelling(text: str) -> str:
-    table = _byte_to_unicode()
-    return "".join(table[b] for b in text.encode("utf-8"))
-
-
 def _gpt2_tokenizer(reader: "gguf.GGUFReader", tokens: list[str], types: np.ndarray) -> dict[str, Any]:
-    merges_raw = _string_array(reader, "tokenizer.ggml.merges") or []
-    pre = (_scalar(reader, "tokenizer.ggml.pre", "") or "").lower()
+    merges_raw = string_array(reader, "tokenizer.ggml.merges") or []
+    pre = (scalar(reader, "tokenizer.ggml.pre", "") or "").lower()
 
-    alphabet = frozenset(_byte_to_unicode().values())
+    alphabet = frozenset(byte_to_unicode().values())
     # Ordinary tokens must be spelled in the byte alphabet; a converter occasionally writes one
     # as raw text, so respell it.  Added (control / user-defined) tokens keep their raw text:
     # they are matched in the raw input and never reached through merges, so their vocabulary
@@ -523,7 +229,7 @@ def _gpt2_tokenizer(reader: "gguf.GGUFReader", tokens: list[str], types: np.ndar
     for i, tok in enumerate(tokens):
         if special_mask[i] or set(tok) <= alphabet:
             continue
-        new = _byte_level_spelling(tok)
+        new = byte_level_spelling(tok)
         respelled[tok] = new
         tokens[i] = new
     vocab = _unique_vocab(tokens)
@@ -538,7 +244,7 @@ def _gpt2_tokenizer(reader: "gguf.GGUFReader", tokens: list[str], types: np.ndar
         merge_left.append(vocab[a])
         merge_right.append(vocab[b])
 
-    split = _BYTE_LEVEL_SPLITS.get(pre, _GPT2_SPLIT)
+    split = split_regex(pre)
     pre_tokenizer = {
         "type": "Sequence",
         "pretokenizers": [
@@ -546,73 +252,10 @@ def _gpt2_tokenizer(reader: "gguf.GGUFReader", tokens: list[str], types: np.ndar
             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
         ],
     }
-    merges = _MergeIds(np.asarray(merge_left, dtype=np.int64), np.asarray(merge_right, dtype=np.int64))
-    model = _bpe_model(reader, tokens, vocab, merges, sentencepiece=False, ignore_merges=pre in _IGNORE_MERGES_PRES)
-    added = [
-        _added_token(tokens[i], i, special=bool(types[i] == _CONTROL))
-        for i in np.flatnonzero(special_mask).tolist()
-        if tokens[i] and not tokens[i].startswith("<gguf_duplicate_")
-    ]
-    return {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": added,
-        "normalizer": None,
-        "pre_tokenizer": pre_tokenizer,
-        "post_processor": None,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
-        "model": model,
-    }
-
-
-# --------------------------------------------------------------------------------------------
-# Serialization
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _MergeIds:
-    """Merges as (left id, right id) arrays, spelled out only when serializing."""
-
-    left: np.ndarray
-    right: np.ndarray
-
-
-_MERGES_PLACEHOLDER = "\x00tandem-merges\x00"
-
-
-def _serialize(data: dict[str, Any], tokens: list[str]) -> str:
-    """``json.dumps(data)``, with ``data["model"]["merges"]`` (a :class:`_MergeIds`) spelled out
-    straight from pre-escaped token literals, which is several times cheaper than building and
-    encoding ~500k small Python containers.
-
-    Merges are written as ``"a b"`` strings (the only form tokenizers < 0.20 reads) unless a
-    merged piece contains a space, in which case the ``["a", "b"]`` form is required.
-    """
-    from json.encoder import encode_basestring  # the C escaper json.dumps(ensure_ascii=False) uses
-
-    model = data["model"]
-    merges: _MergeIds = model["merges"]
-    model["merges"] = _MERGES_PLACEHOLDER
-    text = json.dumps(data, ensure_ascii=False)
-    # A '"' inside a token is escaped, so this key/value pair can only be the structural one.
-    marker = '"merges": ' + json.dumps(_MERGES_PLACEHOLDER, ensure_ascii=False)
-    head, found, tail = text.partition(marker)
-    if not found:  # pragma: no cover - json.dumps' default separators guarantee the marker
-        raise AssertionError("merges placeholder not found")
-
-    left, right = merges.left.tolist(), merges.right.tolist()
-    used = np.unique(np.concatenate([merges.left, merges.right])).tolist()
-    literal = list(map(encode_basestring, tokens))
-    if any(" " in tokens[i] for i in used):
-        spell = literal.__getitem__
-        pairs = map("[{},{}]".format, map(spell, left), map(spell, right))
-    else:
-        inner = [lit[1:-1] for lit in literal]
-        spell = inner.__getitem__
-        pairs = map('"{} {}"'.format, map(spell, left), map(spell, right))
-    return "".join((head, '"merges": [', ",".join(pairs), "]", tail))
+    merges = MergeIds(np.asarray(merge_left, dtype=np.int64), np.asarray(merge_right, dtype=np.int64))
+    model = bpe_model(vocab, merges, _unk_token(reader, tokens), sentencepiece=False, ignore_merges=ignores_merges(pre))
+    decoder = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    return tokenizer_document(_added_tokens(tokens, types), None, pre_tokenizer, decoder, model)
 
 
 # --------------------------------------------------------------------------------------------
@@ -625,18 +268,18 @@ def tokenizer_from_gguf(reader: "gguf.GGUFReader") -> TokenizerSpec:
 
     Raises ``ValueError`` for a ``tokenizer.ggml.model`` other than ``"llama"`` or ``"gpt2"``.
     """
-    model_name = _scalar(reader, "tokenizer.ggml.model")
+    model_name = scalar(reader, "tokenizer.ggml.model")
     if model_name not in ("llama", "gpt2"):
         raise ValueError(
             f"unsupported GGUF tokenizer: tokenizer.ggml.model={model_name!r} "
             "(supported: 'llama', 'gpt2')"
         )
-    tokens = _string_array(reader, "tokenizer.ggml.tokens")
+    tokens = string_array(reader, "tokenizer.ggml.tokens")
     if not tokens:
         raise ValueError("GGUF file has no tokenizer.ggml.tokens")
     n = len(tokens)
     original_tokens = list(tokens)
-    types = _numeric_array(reader, "tokenizer.ggml.token_type")
+    types = numeric_array(reader, "tokenizer.ggml.token_type")
     if types is None or types.size != n:
         types = np.full(n, _NORMAL, dtype=np.int64)
     types = types.astype(np.int64)
@@ -654,18 +297,18 @@ def tokenizer_from_gguf(reader: "gguf.GGUFReader") -> TokenizerSpec:
         else:
             data = _gpt2_tokenizer(reader, tokens, types)
             default_add_bos = False
-        tokenizer_json = _serialize(data, tokens)
+        tokenizer_json = serialize(data, tokens)
         del data
     finally:
         if gc_was_enabled:
             gc.enable()
 
-    bos = _optional_id(reader, "tokenizer.ggml.bos_token_id", n)
-    add_bos = _scalar(reader, "tokenizer.ggml.add_bos_token")
+    bos = optional_id(reader, "tokenizer.ggml.bos_token_id", n)
+    add_bos = scalar(reader, "tokenizer.ggml.add_bos_token")
     add_bos = default_add_bos if add_bos is None else bool(add_bos)
     if bos is None:
         add_bos = False
-    chat_template = _scalar(reader, "tokenizer.chat_template")
+    chat_template = scalar(reader, "tokenizer.chat_template")
 
     return TokenizerSpec(
         tokenizer_json=tokenizer_json,
