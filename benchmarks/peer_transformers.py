@@ -18,7 +18,7 @@ import torch
 
 from tandem.bench.client import RequestResult
 from tandem.bench.replay import RunData
-from tandem.bench.workload import BenchRequest
+from tandem.bench.prompts import BenchRequest
 
 DTYPE = torch.float32
 Progress = Callable[[RequestResult], None]

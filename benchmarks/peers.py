@@ -36,15 +36,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the peer_* modules, when imported from elsewhere
 
 from tandem.bench.main import load_tokenizer  # noqa: E402
-from tandem.bench.workload import (  # noqa: E402
-    ArrivalSpec,
-    BenchRequest,
-    LengthDist,
-    PlainTokenizer,
-    RequestClass,
-    Workload,
-    build_requests,
-)
+from tandem.bench.prompts import BenchRequest, PlainTokenizer, build_requests  # noqa: E402
+from tandem.bench.workload import ArrivalSpec, LengthDist, RequestClass, Workload  # noqa: E402
 
 from peer_launch import PEERS, ROOT, run_peer  # noqa: E402
 from peer_report import write_report  # noqa: E402

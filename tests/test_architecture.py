@@ -121,6 +121,8 @@ def _choices(parser: argparse.ArgumentParser, command: str) -> dict[str, tuple]:
 
 def test_every_cli_choice_list_is_its_registry():
     from tandem.bench.config import BACKENDS
+    from tandem.bench.scenarios import SCENARIOS
+    from tandem.bench.workload import DATASETS, DISTS, PROCESSES
     from tandem.cli import build_parser
     from tandem.config import DEVICES, DTYPES, QUANTIZATIONS
     from tandem.core.policies import POLICY_REGISTRY
@@ -133,7 +135,11 @@ def test_every_cli_choice_list_is_its_registry():
         choices = _choices(parser, command)
         for dest, registry in engine.items():
             assert choices.get(dest, registry) == registry, (command, dest)
-    assert _choices(parser, "bench")["backend"] == BACKENDS
+    bench = _choices(parser, "bench")
+    assert bench["backend"] == BACKENDS
+    assert (bench["dataset_name"], bench["random_dist"], bench["arrival"]) == (DATASETS, DISTS, PROCESSES)
+    for command in ("compare", "tune"):
+        assert _choices(parser, command)["scenario"] == tuple(SCENARIOS)
     assert _choices(parser, "serve")["policy"] == tuple(POLICY_REGISTRY)
 
 

@@ -20,7 +20,8 @@ from tandem.bench.config import BenchConfig
 from tandem.bench.main import run_bench, workload_from_config
 from tandem.bench.replay import parse_gauges, run_openai
 from tandem.bench.summary import parse_goodput, summarize_run
-from tandem.bench.workload import ArrivalSpec, BenchRequest, LengthDist, RequestClass, Workload, build_requests
+from tandem.bench.prompts import BenchRequest, build_requests
+from tandem.bench.workload import ArrivalSpec, LengthDist, RequestClass, Workload
 from test_server import Server, free_port
 from tiny_models import save_tiny
 

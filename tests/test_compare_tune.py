@@ -12,7 +12,7 @@ from tandem.bench.config import TuneConfig
 from tandem.bench.evaluate import Candidate, InProcessEvaluator, evaluate
 from tandem.bench.tune import SLO, pareto, tune
 from tandem.bench.tune_run import run_tune
-from tandem.bench.workload import BenchRequest
+from tandem.bench.prompts import BenchRequest
 from tandem.config import EngineConfig, SchedulerConfig
 from tandem.sim import SimTokenizer, StepCost, sim_engine
 from tiny_models import save_tiny

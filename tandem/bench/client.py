@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from tandem.bench.workload import BenchRequest
+from tandem.bench.prompts import BenchRequest
 from tandem.latency import itls, stall, tpot
 
 

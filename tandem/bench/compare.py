@@ -15,7 +15,7 @@ from tandem.bench.evaluate import Candidate, InProcessEvaluator, evaluate
 from tandem.bench.progress import RunProgress
 from tandem.bench.scenarios import scenario_requests
 from tandem.bench.summary import parse_goodput
-from tandem.bench.workload import PlainTokenizer
+from tandem.bench.prompts import PlainTokenizer
 from tandem.config import EngineConfig
 
 # prefill-first gets a large budget (vLLM without chunking uses at least 2048 tokens per step)

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from tandem.bench.scenarios import SCENARIOS, scenarios_help
+from tandem.bench.workload import DATASETS, DISTS, PROCESSES
 from tandem.config import _help
 
 BACKENDS = ("openai", "openai-chat", "inprocess")
@@ -33,7 +34,7 @@ class BenchConfig:
         "length and arrival flags"))
     save_workload: str | None = field(default=None, metadata=_help("write the effective workload to this file"))
     dataset_name: str = field(default="random", metadata=_help(
-        "sharegpt | random | mixed | trace", choices=("sharegpt", "random", "mixed", "trace")))
+        " | ".join(DATASETS), choices=DATASETS))
     dataset_path: str | None = field(default=None, metadata=_help(
         "ShareGPT JSON file; for random/mixed, real text to cut prompts from; for trace, a JSONL of "
         "{timestamp, input_len, output_len[, class]}"))
@@ -42,7 +43,7 @@ class BenchConfig:
     burstiness: float = field(default=1.0, metadata=_help(
         "gamma shape of inter-arrival times: 1 = Poisson, < 1 burstier, > 1 more regular"))
     arrival: str = field(default="poisson", metadata=_help(
-        "arrival process: poisson (gamma with --burstiness) or constant", choices=("poisson", "gamma", "constant")))
+        "arrival process: poisson (gamma with --burstiness) or constant", choices=PROCESSES))
     max_concurrency: int | None = field(default=None, metadata=_help(
         "at most this many requests in flight (with --request-rate inf: a closed loop)"))
     random_input_len: int = field(default=256, metadata=_help("random: mean input tokens"))
@@ -51,7 +52,7 @@ class BenchConfig:
         "random, uniform: lengths drawn from [len*(1-r), len*(1+r)]"))
     random_dist: str = field(default="uniform", metadata=_help(
         "random: length distribution (fixed, uniform, normal, lognormal; uniform with ratio 0 is fixed)",
-        choices=("fixed", "uniform", "normal", "lognormal")))
+        choices=DISTS))
     random_prefix_len: int = field(default=0, metadata=_help("random: tokens of a prefix shared by all prompts"))
     sharegpt_output_len: int | None = field(default=None, metadata=_help(
         "sharegpt: output tokens per request (default: 256)"))

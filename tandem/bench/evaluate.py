@@ -11,7 +11,8 @@ from typing import Any
 
 from tandem.bench.replay import RunData, run_inprocess
 from tandem.bench.summary import summarize_run
-from tandem.bench.workload import ArrivalSpec, BenchRequest
+from tandem.bench.prompts import BenchRequest
+from tandem.bench.workload import ArrivalSpec
 from tandem.config import EngineConfig, SchedulerConfig
 
 # Knobs a configuration may set, with their CLI flag names.

@@ -20,14 +20,8 @@ from tandem.bench.progress import RunProgress
 from tandem.bench.report import save_figure, write_report
 from tandem.bench.replay import RunData, run_inprocess, run_openai
 from tandem.bench.summary import parse_goodput, per_class, summarize_run
-from tandem.bench.workload import (
-    ArrivalSpec,
-    LengthDist,
-    PlainTokenizer,
-    RequestClass,
-    Workload,
-    build_requests,
-)
+from tandem.bench.prompts import PlainTokenizer, build_requests
+from tandem.bench.workload import ArrivalSpec, LengthDist, RequestClass, Workload
 from tandem.config import EngineConfig
 
 

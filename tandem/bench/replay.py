@@ -17,7 +17,10 @@ from typing import Callable
 import httpx
 
 from tandem.bench.client import RequestResult, request_body, send
-from tandem.bench.workload import ArrivalSpec, BenchRequest
+from tandem.bench.workload import ArrivalSpec
+
+# Gauges read from /metrics while a run goes; tandem's names first, vLLM's as fallbacks.
+from tandem.bench.prompts import BenchRequest
 
 # Gauges read from /metrics while a run goes; tandem's names first, vLLM's as fallbacks.
 SCRAPED = {

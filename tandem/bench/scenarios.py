@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tandem.bench.arrivals import arrival_offsets
-from tandem.bench.workload import ArrivalSpec, BenchRequest, LengthDist, RequestClass, Workload, build_requests
+from tandem.bench.prompts import BenchRequest, build_requests
+from tandem.bench.workload import ArrivalSpec, LengthDist, RequestClass, Workload
 
 
 @dataclass

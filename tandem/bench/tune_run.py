@@ -11,7 +11,7 @@ from tandem.bench.evaluate import Candidate, InProcessEvaluator, evaluate
 from tandem.bench.scenarios import scenario_requests
 from tandem.bench.summary import parse_goodput
 from tandem.bench.tune import SLO, tune, write_tune_report
-from tandem.bench.workload import PlainTokenizer
+from tandem.bench.prompts import PlainTokenizer
 from tandem.config import EngineConfig
 
 

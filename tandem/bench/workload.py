@@ -11,7 +11,7 @@ distributions and a share of the requests, and an arrival process::
       - {name: chat, share: 0.8, input: {dist: lognormal, mean: 200, sigma: 0.6}, output: {dist: fixed, mean: 128}}
       - {name: summarise, share: 0.2, input: {dist: uniform, min: 1500, max: 3000}, output: {dist: fixed, mean: 64}}
 
-Prompt text is cut from real text (ShareGPT prompts when a dataset path is given, else a
+Prompt text is cut from real text (``prompts.py``: ShareGPT prompts when a dataset path is given, else a
 corpus shipped with tandem) so tokenization is realistic.
 """
 
@@ -23,36 +23,11 @@ import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any
 
 DATASETS = ("sharegpt", "random", "mixed", "trace")
 DISTS = ("fixed", "uniform", "normal", "lognormal")
 PROCESSES = ("poisson", "gamma", "constant")
-
-
-class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` without special tokens."""
-        ...
-
-    def decode(self, ids: Sequence[int]) -> str: ...
-
-
-class PlainTokenizer:
-    """Adapter over a tandem Tokenizer (or anything with encode/decode): encode without special
-    tokens, as prompts are cut from running text."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-
-    def encode(self, text: str) -> list[int]:
-        backend = getattr(self.tokenizer, "backend", None)
-        if backend is not None:
-            return backend.encode(text, add_special_tokens=False).ids
-        return self.tokenizer.encode(text)
-
-    def decode(self, ids) -> str:
-        return self.tokenizer.decode(ids)
 
 
 @dataclass
@@ -201,109 +176,3 @@ def _rate_out(rate: float) -> float | str:
 
 def _rate_in(rate: Any) -> float:
     return math.inf if rate in ("inf", None) else float(rate)
-
-
-@dataclass
-class BenchRequest:
-    index: int
-    class_name: str
-    prompt: str
-    input_len: int
-    output_len: int
-    arrival_s: float | None = None
-    """Offset from the start (trace replay); None when the arrival process decides."""
-
-
-# --- building the requests ---------------------------------------------------------------------
-
-_CORPUS = Path(__file__).parent / "data" / "corpus.txt"
-
-
-def _sharegpt_prompts(path: str) -> list[str]:
-    data = json.loads(Path(path).read_text())
-    prompts = []
-    for item in data:
-        turns = item.get("conversations") or item.get("conversation") or []
-        if turns and turns[0].get("from") in ("human", "user") and turns[0].get("value"):
-            prompts.append(turns[0]["value"])
-    if not prompts:
-        raise ValueError(f"dataset_path: no first human turns found in {path}")
-    return prompts
-
-
-class _TextPool:
-    """Token stream of real text to cut prompts of exact token lengths from."""
-
-    def __init__(self, tokenizer: Tokenizer, texts: list[str]) -> None:
-        ids: list[int] = []
-        for t in texts:
-            ids.extend(tokenizer.encode(t))
-            if len(ids) > 200_000:
-                break
-        if len(ids) < 16:
-            raise ValueError("dataset_path: not enough text to build prompts from")
-        self.ids = ids
-        self.tokenizer = tokenizer
-
-    def take(self, rng: random.Random, n: int) -> str:
-        start = rng.randrange(len(self.ids))
-        out = []
-        while len(out) < n:
-            out.extend(self.ids[start : start + n - len(out)])
-            start = 0
-        text = self.tokenizer.decode(out)
-        if not text.strip():
-            raise ValueError("tokenizer: it cannot represent the prompt text (decoded prompts are empty); "
-                             "pass the served model's tokenizer with --tokenizer")
-        return text
-
-
-def build_requests(w: Workload, tokenizer: Tokenizer) -> list[BenchRequest]:
-    w.validate()
-    rng = random.Random(w.seed)
-    if w.dataset == "trace":
-        return _trace_requests(w, tokenizer, rng)
-    if w.dataset == "sharegpt":
-        prompts = _sharegpt_prompts(w.dataset_path)  # type: ignore[arg-type]
-        rng.shuffle(prompts)
-        out_dist = w.sharegpt_output_len or LengthDist("fixed", 256)
-        reqs = []
-        for i in range(w.num_prompts):
-            text = prompts[i % len(prompts)]
-            reqs.append(BenchRequest(i, "sharegpt", text, len(tokenizer.encode(text)), out_dist.sample(rng)))
-        return reqs
-    texts = _sharegpt_prompts(w.dataset_path) if w.dataset_path else [_CORPUS.read_text()]
-    pool = _TextPool(tokenizer, texts)
-    shares = [c.share for c in w.classes]
-    prefixes = {c.name: pool.take(rng, c.prefix_len) if c.prefix_len else "" for c in w.classes}
-    reqs = []
-    for i in range(w.num_prompts):
-        c = rng.choices(w.classes, weights=shares)[0]
-        n_in = c.input.sample(rng)
-        body = pool.take(rng, max(1, n_in - c.prefix_len))
-        prefix = prefixes[c.name]
-        if prefix and not prefix[-1].isspace() and not body[:1].isspace():
-            prefix += " "  # keep the last prefix word and the first body word apart
-        reqs.append(BenchRequest(i, c.name, prefix + body, n_in, c.output.sample(rng)))
-    return reqs
-
-
-def _trace_requests(w: Workload, tokenizer: Tokenizer, rng: random.Random) -> list[BenchRequest]:
-    """JSONL lines of {"timestamp": s, "input_len": n, "output_len": m[, "class": name]}."""
-    pool = _TextPool(tokenizer, [_CORPUS.read_text()])
-    rows = []
-    for lineno, line in enumerate(Path(w.dataset_path).read_text().splitlines(), 1):  # type: ignore[arg-type]
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            rows.append((float(row["timestamp"]), int(row["input_len"]), int(row["output_len"]),
-                         str(row.get("class", "trace"))))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"dataset_path: line {lineno} of the trace is not a valid record ({exc})") from None
-    if not rows:
-        raise ValueError("dataset_path: the trace is empty")
-    rows.sort()
-    t0 = rows[0][0]
-    return [BenchRequest(i, cls, pool.take(rng, max(1, n_in)), n_in, max(1, n_out), ts - t0)
-            for i, (ts, n_in, n_out, cls) in enumerate(rows[: w.num_prompts])]

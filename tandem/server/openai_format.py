@@ -4,21 +4,13 @@ events), usage and the two logprobs layouts (legacy completions and chat)."""
 from __future__ import annotations
 
 import json
-import time
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
 from tandem.core.outputs import RequestOutput
+from tandem.server.fanout import Job
 from tandem.server.protocol import APIError
-
-if TYPE_CHECKING:  # state.py imports this module, so importing these at run time would be circular
-    from tandem.server.fanout import Job
-    from tandem.server.state import ServerState
-
-
-def unix_time() -> int:
-    """OpenAI's ``created`` fields are whole Unix seconds."""
-    return int(time.time())
+from tandem.server.state import ServerState
 
 
 def response_id(chat: bool) -> str:

@@ -18,7 +18,7 @@ import tandem
 from tandem.server.auth import BearerAuth
 from tandem.server.chat import ROLES
 from tandem.server.fanout import Job, collect, make_jobs, merged_outputs, submit
-from tandem.server.openai_format import full_response, response_id, sse_stream, unix_time
+from tandem.server.openai_format import full_response, response_id, sse_stream
 from tandem.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -28,7 +28,7 @@ from tandem.server.protocol import (
     bad_request,
     validate,
 )
-from tandem.server.state import ServerState
+from tandem.server.state import ServerState, unix_time
 
 log = logging.getLogger(__name__)
 

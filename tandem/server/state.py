@@ -5,18 +5,23 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 from tandem.config import EngineConfig, ServerConfig
 from tandem.core.engine import Engine
 from tandem.server.async_engine import AsyncEngine
 from tandem.server.chat import ChatFormatter
-from tandem.server.openai_format import unix_time
 from tandem.server.prometheus import ServerMetrics
 from tandem.tokenizer import Tokenizer
 from tandem.trace import TraceRecorder
 
 log = logging.getLogger(__name__)
+
+
+def unix_time() -> int:
+    """OpenAI's ``created`` fields are whole Unix seconds."""
+    return int(time.time())
 
 
 @dataclass

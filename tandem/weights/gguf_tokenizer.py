@@ -28,6 +28,9 @@ pre-tokenizers set ``ignore_merges`` as the original tokenizer.json and llama.cp
 
 BOS is never added by the tokenizer's post-processor: the engine adds it itself when
 ``TokenizerSpec.add_bos_token`` is true.
+
+Longer than 300 lines because both tokenizer families (sentencepiece-style and byte-level)
+live here side by side: they share the vocabulary, EOS and added-token handling below.
 """
 
 from __future__ import annotations
