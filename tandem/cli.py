@@ -13,12 +13,17 @@ from tandem.config import ServerConfig
 from tandem.core.sampling_params import CLI_DEFAULTS, SamplingParams
 
 
+def _command(sub, name: str, help: str, description: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help, description=description,
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
 def _generate_parser(sub) -> None:
-    p = sub.add_parser(
+    p = _command(
+        sub,
         "generate",
         help="generate text from one or more prompts",
         description="Generate text from prompts with the engine in this process.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a concurrent batch)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt with timing data")
@@ -64,11 +69,11 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _serve_parser(sub) -> None:
-    p = sub.add_parser(
+    p = _command(
+        sub,
         "serve",
         help="serve the OpenAI-compatible HTTP API",
         description="Serve /v1/completions, /v1/chat/completions, /metrics and friends over HTTP.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_dataclass_args(p, ServerConfig, "server options")
     add_engine_args(p)
@@ -100,12 +105,12 @@ def _run_serve(args: argparse.Namespace) -> int:
 def _bench_parser(sub) -> None:
     from tandem.bench.config import BenchConfig
 
-    p = sub.add_parser(
+    p = _command(
+        sub,
         "bench",
         help="load-test an OpenAI-compatible server (or the engine in-process) and report",
         description="Replay a workload against any OpenAI-compatible server (tandem, vLLM, llama.cpp's "
         "llama-server, TGI) or tandem's engine in-process; write result.json, summary.md, report.html and plots.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_dataclass_args(p, BenchConfig, "bench options")
     add_engine_args(p, skip=("model", "seed"))
@@ -131,21 +136,21 @@ def _print_report(markdown: Path, paths: list[str]) -> int:
 def _compare_parser(sub) -> None:
     from tandem.bench.config import CompareConfig, TuneConfig
 
-    p = sub.add_parser(
+    p = _command(
+        sub,
         "compare",
         help="run one workload against several scheduler configurations and report side by side",
         description="Each configuration runs on a fresh engine in this process with the same requests; the "
         "report has throughput, TTFT/ITL percentiles, stalls, goodput, utilization, ITL timelines and step mix.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_dataclass_args(p, CompareConfig, "compare options")
     add_engine_args(p, skip=("seed",))
-    t = sub.add_parser(
+    t = _command(
+        sub,
         "tune",
         help="search chunk size and batch limits for the highest goodput within latency SLOs",
         description="Coarse-to-fine search over max_num_batched_tokens, max_num_seqs and the long-prompt caps "
         "of the chunked policy; re-measures the leaders; prints the tandem serve command of the best.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_dataclass_args(t, TuneConfig, "tune options")
     add_engine_args(t, skip=("seed",))
