@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/int8_kernel.py --out docs/results/int8_kernel.json
 
 For each weight shape (N x K) of Gemma 3 270M and each row count M: float32 ``F.linear``, the
-AVX2 weight-only int8 kernel (``tandem.kernels``), the blocked dequantize + BLAS path, and the
+weight-only int8 kernel of each kernel variant this CPU runs (``tandem.kernels``), the blocked dequantize + BLAS path, and the
 w8a8 kernel (inputs rounded to int8, integer products). Best of repeated calls (this machine is
 shared; the minimum is the least disturbed). The row count where the weight-only kernel stops
 beating the blocked path sets ``tandem.models.quant.use_kernel``. Each call reads one weight
@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels import native
+from tandem.kernels.cpu_features import cpu_info
 from tandem.models import quant
 
 SHAPES = {"qkv": (1536, 640), "o": (640, 1024), "gate_up": (4096, 640), "down": (640, 2048),
@@ -39,36 +40,46 @@ def best_ms(fn, seconds: float) -> float:
     return best * 1e3
 
 
+def time_shape(lib: native.Kernels, name: str, n: int, k: int, args) -> list[dict]:
+    w = torch.randn(n, k) * 0.05
+    q, s = quant.quantize_rows(w)
+    rows = []
+    for m in (int(r) for r in args.rows.split(",")):
+        x = torch.randn(m, k)
+        budget = args.seconds * (4 if name == "head" else 1)
+        fp32 = best_ms(lambda: F.linear(x, w), budget)
+        kernel = best_ms(lambda: lib.gemm_i8(x, q, s), budget)
+        saved, quant.use_kernel = quant.use_kernel, lambda rows, elements: False
+        blocked = best_ms(lambda: quant.int8_matmul(x, q, s, kernels=lib), budget)
+        quant.use_kernel = saved
+        w8a8 = best_ms(lambda: lib.gemm_w8a8(x, q, s), budget)
+        rows.append({"variant": lib.isa.name, "shape": name, "n": n, "k": k, "rows": m, "fp32_ms": fp32,
+                     "int8_kernel_ms": kernel, "int8_blocked_ms": blocked, "w8a8_kernel_ms": w8a8,
+                     "kernel_weight_gb_s": n * k / kernel / 1e6, "w8a8_gop_s": 2 * m * n * k / w8a8 / 1e6})
+        print(f"{lib.isa.name:7s} {name:8s} {n:6d}x{k:<5d} M={m:<4d} fp32 {fp32:8.3f} ms  kernel {kernel:8.3f} ms  "
+              f"blocked {blocked:8.3f} ms  w8a8 {w8a8:8.3f} ms  kernel/fp32 {fp32 / kernel:4.1f}x  "
+              f"w8a8/fp32 {fp32 / w8a8:4.1f}x", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,4,16,32,64,128,256")
     ap.add_argument("--seconds", type=float, default=0.4, help="time budget per measurement")
+    ap.add_argument("--variants", default=None,
+                    help="kernel variants to time, comma-separated (default: every one this CPU runs)")
     ap.add_argument("--out", default="docs/results/int8_kernel.json")
     args = ap.parse_args()
     if not native.available():
         sys.exit("the native int8 kernel is not available here (no C compiler or no AVX2)")
+    names = args.variants.split(",") if args.variants else [v.name for v in native.supported_variants()]
     rows = []
-    for name, (n, k) in SHAPES.items():
-        w = torch.randn(n, k) * 0.05
-        q, s = quant.quantize_rows(w)
-        for m in (int(r) for r in args.rows.split(",")):
-            x = torch.randn(m, k)
-            budget = args.seconds * (4 if name == "head" else 1)
-            fp32 = best_ms(lambda: F.linear(x, w), budget)
-            kernel = best_ms(lambda: native.gemm_i8(x, q, s), budget)
-            saved, quant.use_kernel = quant.use_kernel, lambda rows, elements: False
-            blocked = best_ms(lambda: quant.int8_matmul(x, q, s), budget)
-            quant.use_kernel = saved
-            w8a8 = best_ms(lambda: native.gemm_w8a8(x, q, s), budget)
-            row = {"shape": name, "n": n, "k": k, "rows": m, "fp32_ms": fp32, "int8_kernel_ms": kernel,
-                   "int8_blocked_ms": blocked, "w8a8_kernel_ms": w8a8, "kernel_weight_gb_s": n * k / kernel / 1e6,
-                   "w8a8_gop_s": 2 * m * n * k / w8a8 / 1e6}
-            rows.append(row)
-            print(f"{name:8s} {n:6d}x{k:<5d} M={m:<4d} fp32 {fp32:8.3f} ms  kernel {kernel:8.3f} ms  "
-                  f"blocked {blocked:8.3f} ms  w8a8 {w8a8:8.3f} ms  kernel/fp32 {fp32 / kernel:4.1f}x  "
-                  f"w8a8/fp32 {fp32 / w8a8:4.1f}x", flush=True)
+    for variant in names:
+        lib = native.load(variant)
+        for name, (n, k) in SHAPES.items():
+            rows += time_shape(lib, name, n, k, args)
     result = {"command": "benchmarks/int8_kernel.py " + " ".join(sys.argv[1:]), "threads": torch.get_num_threads(),
-              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "rows": rows}
+              "cpu": cpu_info().describe(), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 

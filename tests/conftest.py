@@ -1,3 +1,4 @@
+import os
 import sys
 import weakref
 from pathlib import Path
@@ -7,6 +8,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tandem.core.engine import Engine  # noqa: E402
+from tandem.kernels import native  # noqa: E402
+from tandem.kernels.cpu_features import cpu_info  # noqa: E402
 
 _engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 _original_init = Engine.__init__
@@ -28,3 +31,16 @@ def all_blocks_returned():
         engine.scheduler.check_invariants()
         if not engine.has_unfinished_requests():
             assert engine.allocator.all_free(), "an idle engine still holds KV blocks"
+
+
+@pytest.fixture(params=native.VARIANT_NAMES)
+def kernels(request):
+    """Each kernel variant this CPU runs (skipped, naming the missing features, where it cannot).
+    Where a compiler exists, a variant that fails to build fails the test: it is not skipped."""
+    isa = native.variant(request.param)
+    missing = [f for f in isa.requires if f not in cpu_info().features]
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(missing)} for the {isa.name} kernels")
+    if os.environ.get("TANDEM_NO_KERNELS") or native._compiler() is None:
+        pytest.skip("no C compiler (or TANDEM_NO_KERNELS): the kernels are not built here")
+    return native.load(isa.name)

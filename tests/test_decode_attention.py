@@ -9,10 +9,8 @@ import math
 import pytest
 import torch
 
-from tandem.kernels import native
-from tandem.ops.paged_attention import build_metadata, paged_attention, write_kv
+from tandem.ops.paged_attention import build_metadata, paged_attention
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler or no AVX2 on this CPU")
 
 BLOCK = 4
 
@@ -50,12 +48,12 @@ def _reference(q, k_cache, v_cache, tables, contexts, scale, window):
 
 @pytest.mark.parametrize("heads, kv_heads, dim", [(4, 1, 256), (4, 2, 36), (2, 2, 8)])
 @pytest.mark.parametrize("window", [0, 5])
-def test_kernel_matches_per_sequence_reference(heads, kv_heads, dim, window):
+def test_kernel_matches_per_sequence_reference(heads, kv_heads, dim, window, kernels):
     contexts = [1, 7, 13, 33]
     q, k_cache, v_cache, tables = _setup(contexts, heads, kv_heads, dim, seed=heads * dim + window)
     scale = 1 / math.sqrt(dim)
     out = torch.full_like(q, float("nan"))
-    native.decode_attention(q, k_cache, v_cache, torch.tensor(tables_padded(tables)), torch.tensor(contexts),
+    kernels.decode_attention(q, k_cache, v_cache, torch.tensor(tables_padded(tables)), torch.tensor(contexts),
                             torch.arange(len(contexts)), out, BLOCK, window, scale)
     want = _reference(q, k_cache, v_cache, tables, contexts, scale, window)
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-5)
@@ -67,7 +65,7 @@ def tables_padded(tables: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("sliding", [False, True])
-def test_paged_attention_kernel_equals_gather_path(sliding):
+def test_paged_attention_kernel_equals_gather_path(sliding, kernels):
     """A mixed step (two prompt chunks and three decodes) through ``paged_attention``, with the
     kernel and with the gather + SDPA path; the new tokens' keys are written into the cache first."""
     heads, kv_heads, dim, window = 4, 1, 32, 6
@@ -79,22 +77,23 @@ def test_paged_attention_kernel_equals_gather_path(sliding):
     q, k, v = (torch.randn(t, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
     meta = build_metadata([(s, n, tables[i]) for i, (s, n) in enumerate(seqs_ctx)], BLOCK, window,
                           torch.device("cpu"))
-    write_kv(k, v, k_cache, v_cache, meta)
-    got = paged_attention(q, k_cache, v_cache, meta, 0.3, sliding, native.decode_attention)
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    got = paged_attention(q, k_cache, v_cache, meta, 0.3, sliding, kernels.decode_attention)
     want = paged_attention(q, k_cache, v_cache, meta, 0.3, sliding, None)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
-def test_decode_rows_do_not_depend_on_the_batch():
+def test_decode_rows_do_not_depend_on_the_batch(kernels):
     contexts = [3, 17, 9]
     q, k_cache, v_cache, tables = _setup(contexts, 4, 1, 64, seed=3)
     padded = torch.tensor(tables_padded(tables))
     together = torch.empty_like(q)
-    native.decode_attention(q, k_cache, v_cache, padded, torch.tensor(contexts), torch.arange(3), together, BLOCK, 0,
+    kernels.decode_attention(q, k_cache, v_cache, padded, torch.tensor(contexts), torch.arange(3), together, BLOCK, 0,
                             0.125)
     for s in range(3):
         alone = torch.empty_like(q[s : s + 1])
-        native.decode_attention(q[s : s + 1].contiguous(), k_cache, v_cache, padded[s : s + 1].contiguous(),
+        kernels.decode_attention(q[s : s + 1].contiguous(), k_cache, v_cache, padded[s : s + 1].contiguous(),
                                 torch.tensor(contexts[s : s + 1]), torch.arange(1), alone, BLOCK, 0, 0.125)
         assert torch.equal(alone[0], together[s])
     assert not torch.equal(together[0], together[1])

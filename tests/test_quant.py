@@ -22,7 +22,6 @@ from tandem.models.quant import Int8Linear, int8_matmul, quantize_activations, q
 from tandem.ops.paged_attention import build_metadata
 from tiny_models import VOCAB, save_tiny
 
-needs_kernel = pytest.mark.skipif(not native.available(), reason="no C compiler or no AVX2 on this CPU")
 
 
 def dequantized(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -41,31 +40,29 @@ def test_quantize_rows_error_is_half_a_step():
     assert torch.all(dequantized(q, s)[5] == 0)
 
 
-@needs_kernel
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 32])
 @pytest.mark.parametrize("kind, n, k", [("int8", 7, 20), ("int8", 64, 64), ("int8", 130, 200),
                                         ("w8a8", 7, 32), ("w8a8", 64, 64), ("w8a8", 130, 224)])
-def test_kernels_match_float_reference(m, kind, n, k):
+def test_kernels_match_float_reference(m, kind, n, k, kernels):
     """int8: float inputs times the dequantized weights; w8a8: the same with the inputs rounded
     as ``quantize_activations`` rounds them (a first block of zeros included)."""
     torch.manual_seed(m * 1000 + n + k)
     q, s = quantize_rows(torch.randn(n, k))
     x = torch.randn(m, k)
     x[0, :32] = 0.0
-    got = native.gemm_i8(x, q, s) if kind == "int8" else native.gemm_w8a8(x, q, s)
+    got = kernels.gemm_i8(x, q, s) if kind == "int8" else kernels.gemm_w8a8(x, q, s)
     xr = x if kind == "int8" else quantize_activations(x)
     want = xr.double() @ dequantized(q, s).double().t()
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
 
 
-@needs_kernel
 @pytest.mark.parametrize("kind", ["int8", "w8a8"])
-def test_kernel_rows_are_independent_of_batch_size(kind):
+def test_kernel_rows_are_independent_of_batch_size(kind, kernels):
     """A row's result must not depend on which other rows share the call (batch invariance)."""
     torch.manual_seed(1)
     q, s = quantize_rows(torch.randn(96, 128))
     x = torch.randn(11, 128)
-    gemm = native.gemm_i8 if kind == "int8" else native.gemm_w8a8
+    gemm = kernels.gemm_i8 if kind == "int8" else kernels.gemm_w8a8
     together = gemm(x, q, s)
     for i in range(11):
         assert torch.equal(gemm(x[i : i + 1].contiguous(), q, s)[0], together[i])
@@ -89,10 +86,11 @@ def test_quantize_activations_rounds_each_block_to_int8_steps():
 # int8 at 1 and 40 rows: the kernel's side and the blocked-BLAS side of the cut; w8a8 with K = 48,
 # not a multiple of 32, is rounded in torch on every path.
 @pytest.mark.parametrize("w8a8, m, k", [(False, 1, 48), (False, 40, 48), (True, 7, 64), (True, 7, 48)])
-@pytest.mark.parametrize("kernels", [True, False])
-def test_int8_matmul_paths_agree(monkeypatch, w8a8, m, k, kernels):
-    if kernels and not native.available():
+@pytest.mark.parametrize("use_kernels", [True, False])
+def test_int8_matmul_paths_agree(monkeypatch, w8a8, m, k, use_kernels):
+    if use_kernels and not native.available():
         pytest.skip("no native kernel here")
+    kernels = native.best() if use_kernels else None
     monkeypatch.setattr(quant, "DEQUANT_ELEMENTS", 64 * k)  # several row blocks even for a small weight
     torch.manual_seed(2)
     q, s = quantize_rows(torch.randn(200, k))

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.kernels import native
+from tandem.kernels.native import Kernels
 from tandem.models.base import CausalLM
 
 # When the int8 kernel beats dequantize + BLAS (benchmarks/int8_kernel.py, docs/performance.md):
@@ -83,20 +83,20 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, w8a8: bool = False,
-                kernels: bool = False) -> torch.Tensor:
+                kernels: Kernels | None = None) -> torch.Tensor:
     """``x`` [..., K] times int8 ``qweight`` [N, K] (per-row ``scale``) -> float32 [..., N];
     with ``w8a8``, ``x`` is first rounded to int8 per block (see ``quantize_activations``).
-    ``kernels``: use the C kernels (``OpTable.int8_kernels``; CPU tensors only)."""
+    ``kernels``: the C kernels to use (``OpTable.int8_kernels``; CPU tensors only), or None."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
     n, k = qweight.shape
-    native_ok = kernels
+    native_ok = kernels is not None
     if w8a8:
         if native_ok and k % QBLOCK == 0:
-            return native.gemm_w8a8(x2, qweight, scale).reshape(*lead, n)
+            return kernels.gemm_w8a8(x2, qweight, scale).reshape(*lead, n)
         x2 = quantize_activations(x2)
     if native_ok and use_kernel(x2.shape[0], n * k):
-        return native.gemm_i8(x2, qweight, scale).reshape(*lead, n)
+        return kernels.gemm_i8(x2, qweight, scale).reshape(*lead, n)
     # Blocks of whole weight rows, written to contiguous rows of the transposed result.
     y_t = torch.empty(n, x2.shape[0], dtype=torch.float32, device=x2.device)
     step = max(1, DEQUANT_ELEMENTS // k)
@@ -104,7 +104,7 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, w8a
     for n0 in range(0, n, step):
         n1 = min(n, n0 + step)
         if native_ok:
-            w = native.dequant_i8(qweight, scale, buf, n0, n1)
+            w = kernels.dequant_i8(qweight, scale, buf, n0, n1)
         else:
             w = qweight[n0:n1].float() * scale[n0:n1, None]
         torch.mm(w, x2.t(), out=y_t[n0:n1])
@@ -117,7 +117,7 @@ class Int8Linear(nn.Module):
 
     def __init__(
         self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, w8a8: bool = False,
-        kernels: bool = False,
+        kernels: Kernels | None = None,
     ) -> None:
         super().__init__()
         self.w8a8 = w8a8
@@ -128,7 +128,7 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = qweight.shape
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, w8a8: bool = False, kernels: bool = False) -> "Int8Linear":
+    def from_linear(cls, linear: nn.Linear, w8a8: bool = False, kernels: Kernels | None = None) -> "Int8Linear":
         return cls(*quantize_rows(linear.weight), linear.bias, w8a8, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

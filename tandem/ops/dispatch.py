@@ -32,17 +32,14 @@ class Choice:
     reason: str
 
 
-def _native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
-    return native.rms_norm(x.contiguous(), weight, eps, offset)
-
-
-def _native_qkv_to_cache(qkv, num_heads, q_norm, k_norm, eps, offset, cos, sin, slots, k_cache, v_cache):
-    return native.qkv_to_cache(qkv.contiguous(), num_heads, q_norm, k_norm, eps, offset, cos, sin, slots,
-                               k_cache, v_cache)
-
-
-def _native_argmax(x: torch.Tensor) -> torch.Tensor:
-    return native.argmax_rows(x.contiguous())
+def _fused(k: native.Kernels) -> dict[str, Callable]:
+    """The kernels' entry points as the op table calls them (inputs made contiguous: a no-op for
+    the layers' own outputs, a copy for a view)."""
+    return {
+        "rms_norm": lambda x, weight, eps, offset: k.rms_norm(x.contiguous(), weight, eps, offset),
+        "qkv_to_cache": lambda qkv, *rest: k.qkv_to_cache(qkv.contiguous(), *rest),
+        "argmax_rows": lambda x: k.argmax_rows(x.contiguous()),
+    }
 
 
 @dataclass(frozen=True)
@@ -54,9 +51,9 @@ class OpTable:
     decode_attention: Callable[..., None] | None
     """One query per sequence straight from the paged cache; None: attention's gather + SDPA path."""
     argmax_rows: Callable[[torch.Tensor], torch.Tensor]
-    int8_kernels: bool
-    """Whether int8 matmuls use the C kernels (else dequantize + torch matmul)."""
-    native_act_mul: bool
+    int8_kernels: native.Kernels | None
+    """The C kernels int8 matmuls use; None: dequantize + torch matmul."""
+    act_mul_kernels: native.Kernels | None
     choices: dict[str, Choice] = field(default_factory=dict)
 
     def act_mul(self, act: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -64,8 +61,9 @@ class OpTable:
         if act not in reference.ACTIVATIONS:
             raise ValueError(f"model: unsupported activation {act!r}")
         kernel_name = _NATIVE_ACTIVATIONS.get(act)
-        if self.native_act_mul and kernel_name is not None:
-            return lambda gate_up: native.act_mul(gate_up.contiguous(), kernel_name)
+        k = self.act_mul_kernels
+        if k is not None and kernel_name is not None:
+            return lambda gate_up: k.act_mul(gate_up.contiguous(), kernel_name)
         return lambda gate_up: reference.act_mul(gate_up, act)
 
     def describe(self) -> dict[str, str]:
@@ -85,17 +83,19 @@ def select_ops(
     disable = frozenset(disable)
     if kernels not in KERNEL_MODES:
         raise ValueError(f"kernels: must be one of {', '.join(KERNEL_MODES)}, got {kernels!r}")
+    lib: native.Kernels | None = None
     if kernels == "torch":
-        cpu_lib, why_not = False, "kernels='torch' asks for the plain torch path"
+        why_not = "kernels='torch' asks for the plain torch path"
     elif device.type != "cpu":
-        cpu_lib, why_not = False, f"the C kernels run on the CPU, not on {device.type}"
-    elif not native.available():
-        cpu_lib, why_not = False, f"the C kernels are off: {native.unavailable_reason()}"
+        why_not = f"the C kernels run on the CPU, not on {device.type}"
+    elif (lib := native.best()) is None:
+        why_not = f"the C kernels are off: {native.unavailable_reason()}"
     else:
-        cpu_lib, why_not = True, ""
+        why_not = ""
+    cpu_lib = lib is not None
     f32 = cpu_lib and dtype == torch.float32
     why_not_f32 = why_not or f"the fused kernels take float32 activations, not {str(dtype).removeprefix('torch.')}"
-    kernel = f"native-{native.ISA}"
+    kernel = lib.name if lib is not None else "native"
 
     use: dict[str, bool] = {}
     choices: dict[str, Choice] = {}
@@ -117,13 +117,14 @@ def select_ops(
         raise ValueError(f"disable: unknown ops {', '.join(sorted(unknown))}; known: {', '.join(choices)}")
     choices["linear"] = Choice("torch", "torch's matmul (oneDNN/BLAS on the CPU, cuBLAS on CUDA)")
     choices["prefill_attention"] = Choice("torch-sdpa", "gather through the block tables + SDPA")
+    fused = _fused(lib) if lib is not None else {}
     table = OpTable(
-        rms_norm=_native_rms_norm if use["rms_norm"] else reference.rms_norm,
-        qkv_to_cache=_native_qkv_to_cache if use["qkv_rope_cache"] else reference.qkv_to_cache,
-        decode_attention=native.decode_attention if use["decode_attention"] else None,
-        argmax_rows=_native_argmax if use["argmax"] else reference.argmax_rows,
-        int8_kernels=use["int8_matmul"],
-        native_act_mul=use["act_mul"],
+        rms_norm=fused["rms_norm"] if use["rms_norm"] else reference.rms_norm,
+        qkv_to_cache=fused["qkv_to_cache"] if use["qkv_rope_cache"] else reference.qkv_to_cache,
+        decode_attention=lib.decode_attention if use["decode_attention"] else None,
+        argmax_rows=fused["argmax_rows"] if use["argmax"] else reference.argmax_rows,
+        int8_kernels=lib if use["int8_matmul"] else None,
+        act_mul_kernels=lib if use["act_mul"] else None,
         choices=choices,
     )
     log.info("ops for %s/%s: %s", device.type, str(dtype).removeprefix("torch."),

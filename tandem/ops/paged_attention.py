@@ -119,16 +119,9 @@ def _group(
     )
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             meta: AttentionMetadata) -> None:
-    """The step's new keys and values ([T, KVH, D]) into their cache slots."""
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
-
-
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
-    k_cache: torch.Tensor,  # [num_slots, KVH, D], this step's keys already written (write_kv)
+    k_cache: torch.Tensor,  # [num_slots, KVH, D], this step's keys already written (OpTable.qkv_to_cache)
     v_cache: torch.Tensor,  # [num_slots, KVH, D]
     meta: AttentionMetadata,
     scale: float,
