@@ -1,4 +1,5 @@
-/* Weight-only int8 matrix multiply for the CPU (AVX2 + FMA), the decode-sized case.
+/* Weight-only int8 matrix multiply for the CPU (AVX2 + FMA, or AVX-512 with VNNI where the
+ * library is built for it: tandem/kernels/native.py VARIANTS), the decode-sized case.
  *
  *   y[m, n] = scale[n] * sum_k x[m, k] * w[n, k]      x: float32 [M, K], w: int8 [N, K]
  *
@@ -31,6 +32,12 @@
 static inline __m256 widen8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
+
+#ifdef __AVX512F__
+static inline __m512 widen16(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#endif
 
 /* The input rows as each kind of block reads them: float32 rows (x), or int8 rows (xq) with one
  * scale per QBLOCK values (xs). */
@@ -73,7 +80,35 @@ typedef struct {
     } while (0)
 
 /* MR float32 input rows (from row m0) against NR weight rows w[0..NR): out[i * NR + j]. One
- * function per block shape, with fixed sizes, so the accumulators live in registers. */
+ * function per block shape, with fixed sizes, so the accumulators live in registers. The AVX-512
+ * build widens 16 weights per step instead of 8 (its sums are grouped differently, so the two
+ * variants agree to float rounding, not bit for bit; each is batch-invariant on its own). */
+#ifdef __AVX512F__
+#define DEFINE_BLOCK(MR, NR)                                                                        \
+    static void block_##MR##x##NR(const Inputs *in, long m0, const int8_t *const *w, float *out) {  \
+        long K = in->K;                                                                             \
+        const float *x = in->x + m0 * K;                                                            \
+        __m512 a[MR][NR];                                                                           \
+        for (int i = 0; i < MR; i++)                                                                \
+            for (int j = 0; j < NR; j++) a[i][j] = _mm512_setzero_ps();                             \
+        long k = 0;                                                                                 \
+        for (; k + 16 <= K; k += 16) {                                                              \
+            _mm_prefetch((const char *)(w[0] + PREFETCH_BYTES + k * NR), _MM_HINT_T0);              \
+            __m512 v[NR];                                                                           \
+            for (int j = 0; j < NR; j++) v[j] = widen16(w[j] + k);                                  \
+            for (int i = 0; i < MR; i++) {                                                          \
+                __m512 xv = _mm512_loadu_ps(x + i * K + k);                                         \
+                for (int j = 0; j < NR; j++) a[i][j] = _mm512_fmadd_ps(xv, v[j], a[i][j]);          \
+            }                                                                                       \
+        }                                                                                           \
+        for (int i = 0; i < MR; i++)                                                                \
+            for (int j = 0; j < NR; j++) {                                                          \
+                float s = _mm512_reduce_add_ps(a[i][j]);                                            \
+                for (long t = k; t < K; t++) s += x[i * K + t] * (float)w[j][t];                    \
+                out[i * NR + j] = s;                                                                \
+            }                                                                                       \
+    }
+#else
 #define DEFINE_BLOCK(MR, NR)                                                                        \
     static void block_##MR##x##NR(const Inputs *in, long m0, const int8_t *const *w, float *out) {  \
         long K = in->K;                                                                             \
@@ -98,6 +133,7 @@ typedef struct {
                 out[i * NR + j] = s;                                                                \
             }                                                                                       \
     }
+#endif
 
 DEFINE_BLOCK(1, 4)
 DEFINE_BLOCK(2, 4)
@@ -162,6 +198,63 @@ static void quantize_rows_i8(const float *x, int8_t *xq, float *xs, long M, long
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+/* AVX-512 VNNI: two blocks (64 values) per step, their products summed by vpdpbusd, which takes
+ * unsigned x signed bytes: the inputs are offset by 128 (x ^ 0x80 = x + 128, one xor per input
+ * row and step) and the sum of 128 * w, computed once per weight row and step with the same
+ * instruction, starts each accumulator negative, so the integer sums are exact. Lanes 0-7 hold
+ * the first block's partial sums and lanes 8-15 the second's, scaled by their own activation
+ * scale. */
+#define DEFINE_QBLOCK(MR, NR)                                                                       \
+    static void qblock_##MR##x##NR(const Inputs *in, long m0, const int8_t *const *w, float *out) { \
+        long K = in->K, nb = K / QBLOCK;                                                            \
+        const int8_t *xq = in->xq + m0 * K;                                                         \
+        const float *xs = in->xs + m0 * nb;                                                         \
+        const __m512i offset = _mm512_set1_epi8((char)0x80);                                        \
+        __m512 a[MR][NR];                                                                           \
+        for (int i = 0; i < MR; i++)                                                                \
+            for (int j = 0; j < NR; j++) a[i][j] = _mm512_setzero_ps();                             \
+        long b = 0;                                                                                 \
+        for (; b + 2 <= nb; b += 2) {                                                               \
+            long k = b * QBLOCK;                                                                    \
+            for (int p = 0; p < NR * 2 * QBLOCK; p += 64)                                           \
+                _mm_prefetch((const char *)(w[0] + PREFETCH_BYTES + k * NR + p), _MM_HINT_T0);      \
+            __m512i wv[NR], neg[NR];                                                                \
+            for (int j = 0; j < NR; j++) {                                                          \
+                wv[j] = _mm512_loadu_si512((const void *)(w[j] + k));                               \
+                neg[j] = _mm512_sub_epi32(_mm512_setzero_si512(),                                   \
+                                          _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, wv[j])); \
+            }                                                                                       \
+            for (int i = 0; i < MR; i++) {                                                          \
+                __m512i xu = _mm512_xor_si512(_mm512_loadu_si512((const void *)(xq + i * K + k)), offset); \
+                __m512 d = _mm512_insertf32x8(_mm512_set1_ps(xs[i * nb + b]),                       \
+                                              _mm256_set1_ps(xs[i * nb + b + 1]), 1);               \
+                for (int j = 0; j < NR; j++) {                                                      \
+                    __m512i p = _mm512_dpbusd_epi32(neg[j], xu, wv[j]);                             \
+                    a[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), d, a[i][j]);                   \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        float tail[MR * NR];                                                                        \
+        for (int t = 0; t < MR * NR; t++) tail[t] = 0.0f;                                           \
+        for (; b < nb; b++) { /* an odd last block, 32 values, in 256-bit lanes */                  \
+            long k = b * QBLOCK;                                                                    \
+            for (int j = 0; j < NR; j++) {                                                          \
+                __m256i wj = _mm256_loadu_si256((const __m256i *)(w[j] + k));                       \
+                __m256i nj = _mm256_sub_epi32(_mm256_setzero_si256(),                               \
+                    _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char)0x80), wj));  \
+                for (int i = 0; i < MR; i++) {                                                      \
+                    __m256i xu = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(xq + i * K + k)), \
+                                                  _mm256_set1_epi8((char)0x80));                    \
+                    __m256i p = _mm256_dpbusd_epi32(nj, xu, wj);                                    \
+                    tail[i * NR + j] += hsum8(_mm256_cvtepi32_ps(p)) * xs[i * nb + b];              \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        for (int i = 0; i < MR; i++)                                                                \
+            for (int j = 0; j < NR; j++) out[i * NR + j] = _mm512_reduce_add_ps(a[i][j]) + tail[i * NR + j]; \
+    }
+#else
 static inline __m256i dot_i8(__m256i wabs, __m256i x_signed_by_w) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, x_signed_by_w), _mm256_set1_epi16(1));
 }
@@ -195,6 +288,7 @@ static inline __m256i dot_i8(__m256i wabs, __m256i x_signed_by_w) {
         for (int i = 0; i < MR; i++)                                                                \
             for (int j = 0; j < NR; j++) out[i * NR + j] = hsum8(a[i][j]);                          \
     }
+#endif
 
 DEFINE_QBLOCK(1, 4)
 DEFINE_QBLOCK(2, 4)
