@@ -53,8 +53,9 @@ from pathlib import Path
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.build import load_model
+from tandem.build import default_model_path, load_model
 from tandem.config import ModelConfig
+from tandem.models.auto_mode import ACCURACY_FILE
 from tandem.models.context import ForwardContext
 from tandem.ops.paged_attention import build_metadata
 
@@ -334,6 +335,32 @@ def markdown(result: dict) -> str:
 # --- main ---------------------------------------------------------------------------------------
 
 
+def update_package_summary(path: Path, result: dict) -> None:
+    """Write each measured quantized mode's accuracy into the summary ``--quantization auto`` reads
+    (``tandem/models/quant_accuracy.json``); modes not measured in this run keep their entries."""
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        summary = {}
+    summary.update({
+        "model": result["model"],
+        "model_file": default_model_path().name,
+        "reference": result["reference"],
+        "texts": result["texts"]["count"],
+        "predicted_tokens": result["texts"]["predicted_tokens"],
+    })
+    modes = summary.setdefault("modes", {})
+    for variant, tf in result["teacher_forced"].items():
+        quantization = result["variants"][variant]["quantization"]
+        if quantization == "none":
+            continue  # a dtype, not a weight format: auto does not choose it
+        modes[quantization] = {
+            "kl_mean": tf["kl_mean"], "top1_agreement": tf["top1_agreement"], "ppl_change_pct": tf["ppl_change_pct"],
+            "command": result["command"], "date": result["date"],
+        }
+    path.write_text(json.dumps(summary, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--texts", type=int, default=16, help="number of prompts to score (default 16)")
@@ -347,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
         "2 threads ran 4x slower than 1 while other work held the cores)",
     )
     ap.add_argument("--out", default="docs/results/quant_accuracy", help="output path without suffix: writes .json and .md")
+    ap.add_argument("--package-file", default=str(ACCURACY_FILE),
+                    help="the accuracy summary --quantization auto reads; the measured modes are updated in it "
+                    "('' to leave it alone)")
     args = ap.parse_args(argv)
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -431,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown(result))
+    if args.package_file:
+        update_package_summary(Path(args.package_file), result)
     log(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')} ({result['seconds']:.0f} s in all)")
     return 0
 

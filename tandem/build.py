@@ -17,11 +17,14 @@ from tandem.config import EngineConfig, ModelConfig
 from tandem.core.engine import Engine
 from tandem.core.outputs import StepStats
 from tandem.core.step import KVLayout
+from tandem.kernels.cpu_features import cpu_info
+from tandem.models.auto_mode import AutoChoice, choose_quantization
 from tandem.models.base import CausalLM
 from tandem.models.quant import quantize_model_int8
 from tandem.models.registry import build_model
 from tandem.models.spec import ModelSpec
 from tandem.ops.dispatch import OpTable, select_ops
+from tandem.paths import default_cache_dir
 from tandem.runner.runner import ModelRunner, kv_bytes_per_block
 from tandem.tokenizer import Tokenizer
 from tandem.utilization import ModelCost
@@ -73,6 +76,30 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     quantization: str = "none"
+    auto: AutoChoice | None = None
+    """How ``--quantization auto`` chose, when it did."""
+
+    def paths(self) -> dict[str, object]:
+        """Which paths run: the CPU and its features, each op's implementation and why, the
+        weight format and how it was chosen (start-up log, /config, /metrics, result files)."""
+        ops = self.model.ops
+        return {
+            "device": self.device.type,
+            "cpu": cpu_info().describe() if self.device.type == "cpu" else None,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "quantization": self.quantization,
+            "quantization_reason": self.auto.reason if self.auto else "asked for",
+            "ops": ops.describe(),
+            "op_reasons": {op: c.reason for op, c in ops.choices.items()},
+        }
+
+    def paths_line(self) -> str:
+        """``paths()`` in one line for the start-up log."""
+        p = self.paths()
+        kernels = sorted({impl for impl in p["ops"].values() if impl.startswith("native")}) or ["torch only"]
+        cpu = p["cpu"]["model"] + " [" + " ".join(p["cpu"]["features"]) + "]" if p["cpu"] else p["device"]
+        return (f"{cpu}; kernels {', '.join(kernels)}; {p['dtype']} activations; weights {p['quantization']} "
+                f"({p['quantization_reason']})")
 
     @property
     def weight_bytes(self) -> int:
@@ -116,16 +143,25 @@ def load_model(config: ModelConfig, ops: OpTable | None = None) -> LoadedModel:
         raise ValueError(
             f"max_model_len: {max_len} exceeds the model's {spec.max_position_embeddings} positions"
         )
-    if config.quantization != "none" and device.type != "cpu":
-        raise ValueError(f"quantization: {config.quantization!r} runs on the CPU only, not on {device.type}")
+    quantization, auto = config.quantization, None
+    if quantization == "auto":
+        probe = ops or select_ops(device, torch.float32, config.kernels)
+        model_file = path.name if config.model is None else None  # accuracy is measured on the default only
+        auto = choose_quantization(spec, device, dtype, probe, model_file, cache_dir or default_cache_dir())
+        quantization = auto.quantization
+        log.info("quantization auto -> %s: %s", quantization, auto.reason)
+    if quantization != "none" and device.type != "cpu":
+        raise ValueError(f"quantization: {quantization!r} runs on the CPU only, not on {device.type}")
+    if quantization != "none" and config.dtype == "auto":
+        dtype = torch.float32  # the int8 kernels take float32 activations
     ops = ops or select_ops(device, dtype, config.kernels)
     model = _instantiate(spec, max_len, device, dtype, ops)
     load_weights(model, iter_safetensors(weights_dir))
-    if config.quantization != "none":
-        quantize_model_int8(model, w8a8=config.quantization == "w8a8")
+    if quantization != "none":
+        quantize_model_int8(model, w8a8=quantization == "w8a8")
     model.eval()
     return LoadedModel(
-        model, tokenizer, spec, config.model or "gemma-3-270m", max_len, device, dtype, config.quantization
+        model, tokenizer, spec, config.model or "gemma-3-270m", max_len, device, dtype, quantization, auto
     )
 
 

@@ -39,6 +39,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     params = dataclass_from_args(SamplingParams, args, seed=config.model.seed)
     print("loading model ...", file=sys.stderr, flush=True)
     llm = LLM(**config.flat())
+    print(f"paths: {llm.loaded.paths_line()}", file=sys.stderr, flush=True)
     outputs = llm.generate(args.prompt, params)
     for out in outputs:
         t = out.timing
@@ -97,6 +98,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    print(f"paths: {state.paths_line}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=args.log_level.lower(),
                 timeout_graceful_shutdown=5)
     return 0

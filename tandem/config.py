@@ -19,7 +19,7 @@ from tandem.ops.modes import KERNEL_MODES
 POLICIES = tuple(POLICY_REGISTRY)  # the registry is the one list; this is its CLI view
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = ("none", "int8", "w8a8")
+QUANTIZATIONS = ("auto", "none", "int8", "w8a8")
 
 
 def _help(text: str, **extra: Any) -> dict[str, Any]:
@@ -106,8 +106,8 @@ class ModelConfig:
     dtype: str = field(
         default="auto",
         metadata=_help(
-            "weights and activations: 'auto' (bfloat16 on CUDA and on CPUs with bf16 support, "
-            "else float32), 'float32', 'bfloat16'",
+            "weights and activations: 'auto' (float32 with int8 weights, whose kernels take float32; "
+            "else bfloat16 on CUDA and on CPUs with bf16 support, else float32), 'float32', 'bfloat16'",
             choices=DTYPES,
         ),
     )
@@ -115,9 +115,11 @@ class ModelConfig:
         default="auto", metadata=_help("'cpu', 'cuda', or 'auto' (cuda when present)", choices=DEVICES)
     )
     quantization: str = field(
-        default="none",
+        default="auto",
         metadata=_help(
-            "weights: 'none' (as --dtype); 'int8' (weight-only int8 with a float32 scale per "
+            "weights: 'auto' (the fastest of the modes below on this machine whose measured accuracy "
+            "is within budget; measured on the default model, so other models stay 'none'; see "
+            "docs/performance.md); 'none' (as --dtype); 'int8' (weight-only int8 with a float32 scale per "
             "output row, for every linear layer and the embedding/output table; activations "
             "stay in --dtype; a quarter of float32's bytes for memory-bound decode); 'w8a8' "
             "(int8 weights as 'int8', and each layer's inputs rounded to int8 at run time, one "
@@ -156,7 +158,7 @@ class ModelConfig:
             raise ValueError(
                 f"quantization: must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
             )
-        if self.quantization != "none" and self.device == "cuda":
+        if self.quantization not in ("none", "auto") and self.device == "cuda":
             raise ValueError(
                 f"quantization: {self.quantization!r} runs on the CPU only; use --device cpu or --quantization none"
             )

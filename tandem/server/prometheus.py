@@ -11,7 +11,7 @@ import threading
 import time
 from collections import deque
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 from tandem.core.engine import Engine
 from tandem.core.outputs import RequestOutput, StepStats
@@ -71,10 +71,21 @@ class ServerMetrics:
             peaks.flops_per_s)
         Gauge("tandem:peak_memory_bandwidth_bytes", "Peak bytes/s used for utilization.", m,
               registry=r).labels(model_name).set(peaks.bytes_per_s)
+        self.engine_info = Info("tandem:engine", "Which paths run: CPU, kernel variant, dtype, weight format, "
+                                "each op's implementation.", m, registry=r)
         self._recent: deque[tuple[float, float, float, float]] = deque()  # (end, duration, flops, bytes)
         self._lock = threading.Lock()
         for g in (self.running, self.waiting, self.kv_usage, self.mfu, self.mbu, self.busy):
             g.labels(model_name).set(0)
+
+    def set_paths(self, paths: dict) -> None:
+        """Export ``LoadedModel.paths()`` as the ``tandem:engine_info`` labels."""
+        cpu = paths.get("cpu") or {}
+        self.engine_info.labels(self._model).info({
+            "device": paths["device"], "cpu": cpu.get("model", ""), "cpu_features": ",".join(cpu.get("features", ())),
+            "dtype": paths["dtype"], "quantization": paths["quantization"],
+            "ops": ",".join(f"{op}={impl}" for op, impl in paths["ops"].items()),
+        })
 
     # --- observers (engine loop thread) -------------------------------------------------------------
     def on_step(self, s: StepStats, engine: Engine) -> None:

@@ -88,7 +88,8 @@ def create_app(state: ServerState) -> FastAPI:
         """The engine and server settings, so a benchmark can record what it ran against."""
         server = {k: v for k, v in dataclasses.asdict(state.config).items() if k != "api_key"}
         return {"engine": state.engine_config.flat(), "server": server, "model": state.model_name,
-                "num_kv_blocks": state.engine.allocator.num_blocks, "max_model_len": state.engine.max_model_len}
+                "num_kv_blocks": state.engine.allocator.num_blocks, "max_model_len": state.engine.max_model_len,
+                "paths": state.paths}
 
     @app.get("/v1/models")
     async def models():

@@ -37,6 +37,9 @@ class ServerState:
     engine_config: EngineConfig
     api_key: str | None
     created: int
+    paths: dict
+    """``LoadedModel.paths()``: which implementation of everything runs."""
+    paths_line: str = ""
 
 
 def build_state(engine_config: EngineConfig, server_config: ServerConfig) -> ServerState:
@@ -57,6 +60,8 @@ def build_state(engine_config: EngineConfig, server_config: ServerConfig) -> Ser
     log.info("peaks for utilization: %.1f GFLOP/s, %.1f GB/s", peaks.flops_per_s / 1e9, peaks.bytes_per_s / 1e9)
     cost = loaded.cost()
     metrics = ServerMetrics(name, cost, peaks)
+    paths = loaded.paths()
+    metrics.set_paths(paths)
     tracer = TraceRecorder(server_config.trace) if server_config.trace else None
 
     def on_step(stats, eng):
@@ -75,5 +80,5 @@ def build_state(engine_config: EngineConfig, server_config: ServerConfig) -> Ser
         engine=engine, async_engine=async_engine, metrics=metrics, tracer=tracer,
         chat=ChatFormatter(loaded.tokenizer, loaded.spec.family), tokenizer=loaded.tokenizer, model_name=name,
         config=server_config, engine_config=engine_config,
-        api_key=server_config.api_key or os.environ.get("TANDEM_API_KEY") or None, created=unix_time(),
+        api_key=server_config.api_key or os.environ.get("TANDEM_API_KEY") or None, created=unix_time(), paths=paths, paths_line=loaded.paths_line(),
     )
