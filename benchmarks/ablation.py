@@ -62,8 +62,10 @@ def main() -> None:
     set_threads(config.model.threads)
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
-    engines = {name: engine_for(config, load_model(config.model, select_ops(device, dtype, disable=off)))
-               for name, off in CONFIGS.items()}
+    if args.quantization != "none" and config.model.dtype == "auto":
+        dtype = torch.float32  # as load_model does: the int8 kernels take float32 activations
+    loaded = {name: load_model(config.model, select_ops(device, dtype, disable=off)) for name, off in CONFIGS.items()}
+    engines = {name: engine_for(config, m) for name, m in loaded.items()}
     params = SamplingParams(max_tokens=args.decode_steps, temperature=0.0, ignore_eos=True)
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
@@ -87,6 +89,7 @@ def main() -> None:
     for r in rows:
         print(f"| {r['batch']} | {r['config']} | {r['decode_step_ms']:.1f} | {r['vs_all']:.2f}x |")
     result = {"command": "benchmarks/ablation.py " + " ".join(sys.argv[1:]), "quantization": args.quantization,
+              "paths": {name: m.paths() for name, m in loaded.items()},
               "context": args.context, "threads": torch.get_num_threads(), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -55,6 +55,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.build import default_model_path, load_model
 from tandem.config import ModelConfig
+from tandem.kernels.cpu_features import cpu_model
 from tandem.models.auto_mode import ACCURACY_FILE
 from tandem.models.context import ForwardContext
 from tandem.ops.paged_attention import build_metadata
@@ -243,14 +244,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     try:
         mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
     except (ValueError, OSError, AttributeError):

@@ -58,7 +58,8 @@ def median_step(llm: LLM, prompts, params, kind: str) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--quantization", default="none", help="none, int8 (weight-only int8) or w8a8 (int8 weights and inputs)")
+    ap.add_argument("--quantization", default="auto",
+                    help="auto (what tandem runs by default), none, int8 (weight-only int8) or w8a8 (int8 weights and inputs)")
     ap.add_argument("--batches", default="1,4,16,32,64")
     ap.add_argument("--contexts", default="128,512")
     ap.add_argument("--chunks", default="64,256,1024")
@@ -75,8 +76,10 @@ def main() -> None:
     dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float32"
     peaks = measure_peaks("cpu", dtype_name, seconds=2.0)
     result: dict = {"command": "benchmarks/roofline.py " + " ".join(sys.argv[1:]), "dtype": dtype_name,
-                    "quantization": args.quantization, "threads": torch.get_num_threads(),
-                    "start_s": load_s}
+                    "quantization": llm.loaded.quantization, "threads": torch.get_num_threads(),
+                    "start_s": load_s, "paths": llm.loaded.paths(),
+                    "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    print(f"paths: {llm.loaded.paths_line()}", flush=True)
     print(f"engine start (model from the converted cache): {load_s:.1f} s", flush=True)
     result["peaks"] = {
         "matmul_gflops_1024": peaks.flops_per_s / 1e9,

@@ -23,6 +23,7 @@ from tandem.bench.summary import parse_goodput, per_class, summarize_run
 from tandem.bench.prompts import PlainTokenizer, build_requests
 from tandem.bench.workload import ArrivalSpec, LengthDist, RequestClass, Workload
 from tandem.config import EngineConfig
+from tandem.kernels.cpu_features import cpu_model
 
 
 def load_tokenizer(path: str | None):
@@ -119,7 +120,8 @@ def run_once(cfg: BenchConfig, w: Workload, engine_config: EngineConfig | None, 
         if engine is None:
             from tandem.build import build_engine
 
-            engine, _ = build_engine(engine_config or EngineConfig())
+            engine, loaded = build_engine(engine_config or EngineConfig())
+            meta["paths"] = loaded.paths()
         tok = PlainTokenizer(tokenizer or (load_tokenizer(cfg.tokenizer) if cfg.tokenizer else engine.tokenizer))
         meta["target"] = "in-process engine"
         meta["server_config"] = (engine_config or EngineConfig()).flat()
@@ -127,6 +129,10 @@ def run_once(cfg: BenchConfig, w: Workload, engine_config: EngineConfig | None, 
         tok = PlainTokenizer(tokenizer or load_tokenizer(cfg.tokenizer))
         meta["target"] = cfg.base_url
         meta["server_config"] = _server_info(cfg.base_url, headers)
+        paths = (meta["server_config"].get("config") or {}).get("paths")
+        if paths:  # a tandem server says which paths it runs
+            meta["paths"] = paths
+    meta["load_generator_cpu"] = cpu_model()
     requests = build_requests(w, tok)
     if w.dataset == "trace":
         offsets = [r.arrival_s or 0.0 for r in requests]

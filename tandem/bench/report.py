@@ -122,7 +122,16 @@ def _fmt(v) -> str:
 
 def markdown(summary: dict, classes: dict[str, dict], meta: dict) -> str:
     lines = [f"# Benchmark: {meta.get('label', 'run')}", ""]
-    lines += [f"- target: `{meta.get('target')}`", f"- workload: {meta.get('workload_line')}", ""]
+    lines += [f"- target: `{meta.get('target')}`", f"- workload: {meta.get('workload_line')}"]
+    paths = meta.get("paths")
+    if paths:
+        cpu = (paths.get("cpu") or {}).get("model", paths.get("device"))
+        kernels = sorted({v for v in paths.get("ops", {}).values() if v.startswith("native")}) or ["torch"]
+        lines.append(f"- engine paths: {cpu}; {', '.join(kernels)}; {paths.get('dtype')} activations; "
+                     f"weights {paths.get('quantization')}")
+    if meta.get("load_generator_cpu"):
+        lines.append(f"- load generator CPU: {meta['load_generator_cpu']}")
+    lines.append("")
     lines += ["| metric | value |", "|---|---|"]
     order = ["completed", "failed", "duration", "request_throughput", "output_throughput", "total_token_throughput",
              "request_goodput"]

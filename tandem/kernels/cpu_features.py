@@ -14,8 +14,6 @@ import platform
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-import torch
-
 # Feature name -> (cpuinfo flags that must all be present, torch check or None).
 FEATURES = {
     "avx2": (("avx2", "fma", "f16c"), "_is_avx2_supported"),
@@ -68,7 +66,14 @@ def _proc_cpuinfo() -> tuple[str, frozenset[str]]:
     return model, flags
 
 
+def cpu_model() -> str:
+    """The CPU's name, with family and model (no torch needed: the load generator reports it)."""
+    return _proc_cpuinfo()[0]
+
+
 def _torch_says(check: str | None) -> bool:
+    import torch
+
     if check is None:
         return True
     fn = getattr(torch.cpu, check, None)
@@ -89,6 +94,8 @@ def features_from(flags: frozenset[str], torch_checks: dict[str, bool]) -> froze
 
 @lru_cache(maxsize=1)
 def cpu_info() -> CPUInfo:
+    import torch
+
     model, flags = _proc_cpuinfo()
     checks = {check: _torch_says(check) for _, check in FEATURES.values() if check}
     features = features_from(flags, checks)
