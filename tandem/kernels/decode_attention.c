@@ -58,25 +58,7 @@ int tandem_decode_attention(const float *q, const float *k_cache, const float *v
         }
 
         /* Softmax per query head, in place. */
-        for (long h = 0; h < G; h++) {
-            float *ph = prob + h * len;
-            float m = -INFINITY;
-            for (long i = 0; i < len; i++) m = ph[i] > m ? ph[i] : m;
-            __m256 vm = _mm256_set1_ps(m), vsum = _mm256_setzero_ps();
-            long i = 0;
-            for (; i + 8 <= len; i += 8) {
-                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(ph + i), vm));
-                _mm256_storeu_ps(ph + i, e);
-                vsum = _mm256_add_ps(vsum, e);
-            }
-            float sum = hsum8(vsum);
-            for (; i < len; i++) {
-                ph[i] = expf(ph[i] - m);
-                sum += ph[i];
-            }
-            float inv = 1.0f / sum;
-            for (i = 0; i < len; i++) ph[i] *= inv;
-        }
+        for (long h = 0; h < G; h++) softmax_inplace(prob + h * len, len);
 
         /* Output: o_h = sum_i prob[h, i] * v_{start + i}. */
         memset(os, 0, sizeof(float) * (size_t)(G * D));
