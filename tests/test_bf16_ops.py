@@ -15,14 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem import LLM, SamplingParams
+from tandem import LLM
 from tandem.build import load_model
 from tandem.config import ModelConfig
 from tandem.models.context import ForwardContext
 from tandem.ops import reference
 from tandem.ops.paged_attention import build_metadata, paged_attention
 from test_decode_attention import BLOCK, _reference, _setup, tables_padded
-from tiny_models import VOCAB, save_tiny
+from tiny_models import VOCAB, greedy_together_and_alone, save_tiny
 
 BF16 = torch.bfloat16
 
@@ -267,9 +267,8 @@ def test_bf16_model_on_the_kernels_matches_the_torch_path(tmp_path, family):
 @pytest.mark.parametrize("mode", ["auto", "torch"])
 def test_bf16_engine_greedy_is_batch_independent(tmp_path, mode):
     save_tiny("gemma3", tmp_path)
+    """With the bf16 kernels, and on the torch path for comparison (its linear layers are torch's
+    on both: were it batch-dependent, the kernels could not make the engine batch-independent)."""
     llm = LLM(str(tmp_path), dtype="bfloat16", device="cpu", kernels=mode, max_num_batched_tokens=16)
-    prompts = [[1] + [(7 * i + 3 * j) % (VOCAB - 3) + 3 for j in range(5 + 4 * i)] for i in range(5)]
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    together = [o.token_ids for o in llm.generate(prompts, params)]
-    alone = [llm.generate(p, params)[0].token_ids for p in prompts]
+    together, alone = greedy_together_and_alone(llm)
     assert together == alone

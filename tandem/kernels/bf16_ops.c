@@ -61,8 +61,8 @@ void tandem_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, l
 /* As tandem_act_mul, on bf16 rows: out = bf16(bf16(act(gate)) * up). Eight lanes in every
  * variant: the exponential is written for them (simd.h). */
 void tandem_act_mul_bf16(const uint16_t *gate_up, uint16_t *out, long rows, long I, int kind) {
-    float a = kind == 0 ? 1.0f : 1.5957691216057308f;  /* 2 sqrt(2 / pi) */
-    float b = kind == 0 ? 0.0f : 1.5957691216057308f * 0.044715f;
+    float a, b;
+    gated_coefficients(kind, &a, &b);
     __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
 #pragma omp parallel for schedule(static) if (rows * I >= PARALLEL_MIN_ELEMENTS)
     for (long r = 0; r < rows; r++) {

@@ -45,8 +45,8 @@ void tandem_rms_norm(const float *x, const float *w, float *out, long rows, long
 /* gate_up: [rows, 2 * I] (gate in the first half of each row, up in the second);
  * out[r, i] = act(gate[r, i]) * up[r, i]. kind 0: SiLU, 1: GELU (tanh form). */
 void tandem_act_mul(const float *gate_up, float *out, long rows, long I, int kind) {
-    float a = kind == 0 ? 1.0f : 1.5957691216057308f;  /* 2 sqrt(2 / pi) */
-    float b = kind == 0 ? 0.0f : 1.5957691216057308f * 0.044715f;
+    float a, b;
+    gated_coefficients(kind, &a, &b);
     __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
 #pragma omp parallel for schedule(static) if (rows * I >= PARALLEL_MIN_ELEMENTS)
     for (long r = 0; r < rows; r++) {

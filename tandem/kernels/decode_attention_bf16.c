@@ -11,6 +11,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "paged_cache.h"
 #include "simd.h"
 
 /* q (bf16) . k (bf16) over D values, q already widened to float32. */
@@ -43,7 +44,7 @@ int tandem_decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, con
     for (long task = 0; task < S * KVH; task++) {
         long s = task / KVH, g = task % KVH;
         long n = context[s];
-        long start = window > 0 && n > window ? n - window : 0;
+        long start = window_start(n, window);
         long len = n - start;
         const uint16_t *qs = q + (rows[s] * H + g * G) * D;
         uint16_t *os = out + (rows[s] * H + g * G) * D;
@@ -61,14 +62,12 @@ int tandem_decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, con
         const int64_t *table = tables + s * max_blocks;
 
         for (long i = 0; i < len; i++) {
-            long p = start + i;
-            const uint16_t *k = k_cache + ((table[p / block_size] * block_size + p % block_size) * KVH + g) * D;
+            const uint16_t *k = k_cache + cache_row(table, start + i, block_size, KVH, g) * D;
             for (long h = 0; h < G; h++) prob[h * len + i] = dot_bf16(qf + h * D, k, D) * scale;
         }
         for (long h = 0; h < G; h++) softmax_inplace(prob + h * len, len);
         for (long i = 0; i < len; i++) {
-            long p = start + i;
-            const uint16_t *v = v_cache + ((table[p / block_size] * block_size + p % block_size) * KVH + g) * D;
+            const uint16_t *v = v_cache + cache_row(table, start + i, block_size, KVH, g) * D;
             for (long h = 0; h < G; h++) axpy_bf16(acc + h * D, prob[h * len + i], v, D);
         }
         long i = 0;

@@ -48,6 +48,12 @@ static inline __m256 gated8(__m256 x, __m256 a, __m256 b) {
     return _mm256_div_ps(x, den);
 }
 
+/* gated8's a and b for act_mul's kind: 0 SiLU, 1 GELU (tanh form). */
+static inline void gated_coefficients(int kind, float *a, float *b) {
+    *a = kind == 0 ? 1.0f : 1.5957691216057308f; /* 2 sqrt(2 / pi) */
+    *b = kind == 0 ? 0.0f : 1.5957691216057308f * 0.044715f;
+}
+
 static inline float gated1(float x, float a, float b) {
     float z = x * (a + b * x * x);
     return x / (1.0f + expf(-z));
