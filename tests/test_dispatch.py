@@ -31,14 +31,24 @@ def test_float32_cpu_with_the_library_uses_every_kernel(monkeypatch):
     assert ops.rms_norm is not reference.rms_norm
 
 
-def test_bfloat16_keeps_only_the_kernels_that_take_its_tensors(monkeypatch):
+def test_bfloat16_cpu_with_the_library_uses_every_kernel_in_its_bf16_form(monkeypatch):
     _fake_library(monkeypatch, True)
     ops = select_ops("cpu", torch.bfloat16)
-    for op in ("rms_norm", "act_mul", "qkv_rope_cache"):
-        assert ops.choices[op].impl == "torch"
-        assert "bfloat16" in ops.choices[op].reason
-    assert ops.choices["decode_attention"].impl == "torch-sdpa" and ops.decode_attention is None
+    for op in ("rms_norm", "act_mul", "qkv_rope_cache", "decode_attention"):
+        assert ops.choices[op].impl == "native-fake" and "bf16" in ops.choices[op].reason
+    assert ops.decode_attention is not None and ops.act_mul_kernels is FAKE
+    assert ops.rms_norm is not reference.rms_norm and ops.qkv_to_cache is not reference.qkv_to_cache
     # logits are float32 whatever the model's dtype, and int8 matmuls take float32 inputs
+    assert ops.choices["argmax"].impl.startswith("native") and ops.int8_kernels is FAKE
+
+
+def test_float16_keeps_torch_for_the_fused_kernels_and_names_it(monkeypatch):
+    _fake_library(monkeypatch, True)
+    ops = select_ops("cpu", torch.float16)
+    for op in ("rms_norm", "act_mul", "qkv_rope_cache"):
+        assert ops.choices[op].impl == "torch" and "not float16" in ops.choices[op].reason
+    assert ops.choices["decode_attention"].impl == "torch-sdpa" and ops.decode_attention is None
+    assert ops.rms_norm is reference.rms_norm and ops.act_mul_kernels is None
     assert ops.choices["argmax"].impl.startswith("native") and ops.int8_kernels is FAKE
 
 

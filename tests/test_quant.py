@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from tandem import LLM, SamplingParams
+from tandem import LLM
 from tandem.build import load_model
 from tandem.config import ModelConfig
 from tandem.kernels import native
@@ -20,7 +20,7 @@ from tandem.models import quant
 from tandem.models.context import ForwardContext
 from tandem.models.quant import Int8Linear, int8_matmul, quantize_activations, quantize_rows
 from tandem.ops.paged_attention import build_metadata
-from tiny_models import VOCAB, save_tiny
+from tiny_models import VOCAB, greedy_together_and_alone, save_tiny
 
 
 
@@ -176,10 +176,7 @@ def test_w8a8_model_kernel_equals_plain_torch(tmp_path, family):
 def test_int8_engine_greedy_is_batch_independent(tmp_path, quantization):
     save_tiny("gemma3", tmp_path)
     llm = LLM(str(tmp_path), dtype="float32", device="cpu", quantization=quantization, max_num_batched_tokens=16)
-    prompts = [[1] + [(7 * i + 3 * j) % (VOCAB - 3) + 3 for j in range(5 + 4 * i)] for i in range(5)]
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    together = [o.token_ids for o in llm.generate(prompts, params)]
-    alone = [llm.generate(p, params)[0].token_ids for p in prompts]
+    together, alone = greedy_together_and_alone(llm)
     assert together == alone
     assert llm.engine.allocator.all_free()
 

@@ -81,3 +81,15 @@ def save_tiny(family: str, directory: Path, seed: int = 0, **overrides):
     model.save_pretrained(directory)
     write_tokenizer(directory)
     return model
+
+
+def greedy_together_and_alone(llm, num_prompts: int = 5, max_tokens: int = 12):
+    """Greedy outputs of the same prompts (6 to 22 tokens) run as one batch, and one at a time:
+    equal lists mean the engine's results do not depend on the batch."""
+    from tandem import SamplingParams
+
+    prompts = [[1] + [(7 * i + 3 * j) % (VOCAB - 3) + 3 for j in range(5 + 4 * i)] for i in range(num_prompts)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    together = [o.token_ids for o in llm.generate(prompts, params)]
+    alone = [llm.generate(p, params)[0].token_ids for p in prompts]
+    return together, alone

@@ -11,8 +11,6 @@
 
 #include "simd.h"
 
-#define PARALLEL_MIN_ELEMENTS 32768
-
 /* 1 / sqrt(mean(x^2) + eps) over D values. */
 static inline float inv_rms(const float *x, long D, float eps) {
     __m256 acc = _mm256_setzero_ps();
@@ -44,25 +42,11 @@ void tandem_rms_norm(const float *x, const float *w, float *out, long rows, long
     }
 }
 
-/* x * sigmoid(a * x + b * x^3): SiLU with a = 1, b = 0; GELU (tanh form) with
- * a = 2 sqrt(2 / pi), b = a * 0.044715, since 0.5 (1 + tanh(u)) = sigmoid(2u). */
-static inline __m256 gated8(__m256 x, __m256 a, __m256 b) {
-    __m256 x2 = _mm256_mul_ps(x, x);
-    __m256 z = _mm256_mul_ps(x, _mm256_fmadd_ps(b, x2, a));
-    __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), z)));
-    return _mm256_div_ps(x, den);
-}
-
-static inline float gated1(float x, float a, float b) {
-    float z = x * (a + b * x * x);
-    return x / (1.0f + expf(-z));
-}
-
 /* gate_up: [rows, 2 * I] (gate in the first half of each row, up in the second);
  * out[r, i] = act(gate[r, i]) * up[r, i]. kind 0: SiLU, 1: GELU (tanh form). */
 void tandem_act_mul(const float *gate_up, float *out, long rows, long I, int kind) {
-    float a = kind == 0 ? 1.0f : 1.5957691216057308f;  /* 2 sqrt(2 / pi) */
-    float b = kind == 0 ? 0.0f : 1.5957691216057308f * 0.044715f;
+    float a, b;
+    gated_coefficients(kind, &a, &b);
     __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
 #pragma omp parallel for schedule(static) if (rows * I >= PARALLEL_MIN_ELEMENTS)
     for (long r = 0; r < rows; r++) {

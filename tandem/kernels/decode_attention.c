@@ -7,7 +7,7 @@
  * weighted by the probabilities. Sliding-window layers skip the positions outside the window.
  * Every sequence is computed alone, in the same order whatever else is in the batch.
  *
- * Cache layout: [num_slots, num_kv_heads, head_dim], slot = block * block_size + offset.
+ * Cache layout: paged_cache.h.
  * Built and loaded by tandem/kernels/native.py.
  */
 #include <math.h>
@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "paged_cache.h"
 #include "simd.h"
 
 /* q, out: [*, H, D] token rows; rows[s]: the row of sequence s's query (and of its output).
@@ -30,7 +31,7 @@ int tandem_decode_attention(const float *q, const float *k_cache, const float *v
     for (long task = 0; task < S * KVH; task++) {
         long s = task / KVH, g = task % KVH;
         long n = context[s];
-        long start = window > 0 && n > window ? n - window : 0;
+        long start = window_start(n, window);
         long len = n - start;
         const float *qs = q + (rows[s] * H + g * G) * D;
         float *os = out + (rows[s] * H + g * G) * D;
@@ -43,9 +44,7 @@ int tandem_decode_attention(const float *q, const float *k_cache, const float *v
 
         /* Scores: prob[h * len + i] = scale * q_h . k_{start + i}. */
         for (long i = 0; i < len; i++) {
-            long p = start + i;
-            long slot = table[p / block_size] * block_size + p % block_size;
-            const float *k = k_cache + (slot * KVH + g) * D;
+            const float *k = k_cache + cache_row(table, start + i, block_size, KVH, g) * D;
             for (long h = 0; h < G; h++) {
                 const float *qh = qs + h * D;
                 __m256 acc = _mm256_setzero_ps();
@@ -58,32 +57,12 @@ int tandem_decode_attention(const float *q, const float *k_cache, const float *v
         }
 
         /* Softmax per query head, in place. */
-        for (long h = 0; h < G; h++) {
-            float *ph = prob + h * len;
-            float m = -INFINITY;
-            for (long i = 0; i < len; i++) m = ph[i] > m ? ph[i] : m;
-            __m256 vm = _mm256_set1_ps(m), vsum = _mm256_setzero_ps();
-            long i = 0;
-            for (; i + 8 <= len; i += 8) {
-                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(ph + i), vm));
-                _mm256_storeu_ps(ph + i, e);
-                vsum = _mm256_add_ps(vsum, e);
-            }
-            float sum = hsum8(vsum);
-            for (; i < len; i++) {
-                ph[i] = expf(ph[i] - m);
-                sum += ph[i];
-            }
-            float inv = 1.0f / sum;
-            for (i = 0; i < len; i++) ph[i] *= inv;
-        }
+        for (long h = 0; h < G; h++) softmax_inplace(prob + h * len, len);
 
         /* Output: o_h = sum_i prob[h, i] * v_{start + i}. */
         memset(os, 0, sizeof(float) * (size_t)(G * D));
         for (long i = 0; i < len; i++) {
-            long p = start + i;
-            long slot = table[p / block_size] * block_size + p % block_size;
-            const float *v = v_cache + (slot * KVH + g) * D;
+            const float *v = v_cache + cache_row(table, start + i, block_size, KVH, g) * D;
             for (long h = 0; h < G; h++) {
                 float *oh = os + h * D;
                 __m256 w = _mm256_set1_ps(prob[h * len + i]);

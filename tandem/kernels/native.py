@@ -24,6 +24,7 @@ import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -32,7 +33,9 @@ from tandem.paths import default_cache_dir
 
 log = logging.getLogger("tandem.kernels")
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("int8_gemm.c", "cpu_ops.c", "decode_attention.c", "threads.c")
+    Path(__file__).with_name(name)
+    for name in ("int8_gemm.c", "cpu_ops.c", "decode_attention.c", "bf16_ops.c", "decode_attention_bf16.c",
+                 "threads.c")
 )
 LIBRARY = "tandem_kernels"
 BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
@@ -125,6 +128,10 @@ _SIGNATURES = {
     "tandem_decode_attention": ([_PTR, _PTR, _PTR, _PTR, _SIZE, _PTR, _PTR, _PTR, _SIZE, _SIZE, _SIZE, _SIZE, _SIZE,
                                  _SIZE, _F32], _INT),
 }
+# The kernels with a bfloat16 form: the same arguments, "_bf16" appended to the name.
+_BF16_KERNELS = ("tandem_rms_norm", "tandem_act_mul", "tandem_qkv_to_cache", "tandem_decode_attention")
+_SIGNATURES.update({f"{fn}_bf16": _SIGNATURES[fn] for fn in _BF16_KERNELS})
+_DTYPE_SUFFIX = {torch.float32: "", torch.bfloat16: "_bf16"}
 
 
 @lru_cache(maxsize=None)
@@ -195,7 +202,9 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 class Kernels:
     """One loaded variant of the library. Tensors are CPU tensors, contiguous, float32 unless
-    said otherwise; outputs are allocated here unless passed in."""
+    said otherwise; outputs are allocated here unless passed in. ``rms_norm``, ``act_mul``,
+    ``qkv_to_cache`` and ``decode_attention`` take float32 or bfloat16 tensors (all of one call's
+    floating-point tensors in the same dtype) and run the kernel for that dtype."""
 
     def __init__(self, isa: Variant, lib: ctypes.CDLL) -> None:
         self.isa = isa
@@ -212,6 +221,17 @@ class Kernels:
             self._cdll.tandem_set_threads(n)  # OpenMP's count is per thread, shared by every variant
             _thread.threads = n
         return self._cdll
+
+    def _typed(self, fn: str, x: torch.Tensor, *others: torch.Tensor | None) -> Callable[..., Any]:
+        """Kernel ``fn`` in the form for ``x``'s dtype; ValueError for a dtype it has no form for
+        or for ``others`` (None skipped) in another dtype."""
+        suffix = _DTYPE_SUFFIX.get(x.dtype)
+        if suffix is None:
+            raise ValueError(f"{fn}: the kernels take float32 or bfloat16 tensors, not {x.dtype}")
+        mixed = sorted({str(t.dtype) for t in others if t is not None and t.dtype != x.dtype})
+        if mixed:
+            raise ValueError(f"{fn}: every tensor must be {x.dtype} like the input, got {', '.join(mixed)}")
+        return getattr(self._lib(), fn + suffix)
 
     def gemm_i8(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """``x`` float32 [M, K] contiguous, ``weight`` int8 [N, K], ``scale`` float32 [N] -> [M, N]."""
@@ -243,17 +263,19 @@ class Kernels:
         return out[: n1 - n0]
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
-        """RMS norm over the last dimension, times ``offset + weight``; float32, contiguous, CPU."""
+        """RMS norm over the last dimension, times ``offset + weight``; contiguous, CPU."""
+        fn = self._typed("tandem_rms_norm", x, weight)
         out = torch.empty_like(x)
         d = x.shape[-1]
-        self._lib().tandem_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // d, d, eps, offset)
+        fn(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // d, d, eps, offset)
         return out
 
     def act_mul(self, gate_up: torch.Tensor, kind: str) -> torch.Tensor:
-        """``act(gate) * up`` for ``gate_up`` [..., 2 * I] holding gate then up; float32, contiguous, CPU."""
+        """``act(gate) * up`` for ``gate_up`` [..., 2 * I] holding gate then up; contiguous, CPU."""
+        fn = self._typed("tandem_act_mul", gate_up)
         i = gate_up.shape[-1] // 2
         out = gate_up.new_empty(*gate_up.shape[:-1], i)
-        self._lib().tandem_act_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * i), i, ACTIVATIONS[kind])
+        fn(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * i), i, ACTIVATIONS[kind])
         return out
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -279,10 +301,11 @@ class Kernels:
         """Split the merged projection ``qkv`` [T, (H + 2 KVH) * D]: q and k RMS-normed (when the
         weights are given) and rotated (``cos``/``sin`` [T, D]); k and v written to cache rows
         ``slots`` of ``k_cache``/``v_cache`` [slots, KVH, D]. Returns q [T, H, D]."""
+        fn = self._typed("tandem_qkv_to_cache", qkv, q_norm, k_norm, cos, sin, k_cache, v_cache)
         _, kvh, d = k_cache.shape
         t = qkv.shape[0]
         q = qkv.new_empty(t, num_heads, d)
-        self._lib().tandem_qkv_to_cache(
+        fn(
             qkv.data_ptr(), t, num_heads, kvh, d, _ptr(q_norm), _ptr(k_norm), eps, offset, cos.data_ptr(),
             sin.data_ptr(), slots.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         )
@@ -305,9 +328,10 @@ class Kernels:
 
         ``q``/``out``: [T, H, D]; caches: [slots, KVH, D]; ``block_tables`` [S, B], ``context_lens``
         [S] and ``rows`` [S] (each sequence's token row in ``q``) int64; ``window`` 0 for none."""
+        fn = self._typed("tandem_decode_attention", q, k_cache, v_cache, out)
         s, b = block_tables.shape
         _, h, d = q.shape
-        status = self._lib().tandem_decode_attention(
+        status = fn(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), b, context_lens.data_ptr(),
             rows.data_ptr(), out.data_ptr(), s, h, k_cache.shape[1], d, block_size, window, scale,
         )

@@ -5,7 +5,7 @@
 for every op plus, for each op, the implementation's name and why it was chosen. The model, the
 attention and the sampler call what the table holds; nothing else tests for kernels. The plain
 torch form (``tandem.ops.reference``) is always there: with ``kernels="torch"``, on CUDA, or for a
-dtype a kernel does not take.
+dtype a kernel does not take (the fused kernels take float32 and bfloat16; float16 keeps torch).
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ log = logging.getLogger("tandem.ops")
 
 # The activations the fused act·mul kernel computes, by the name the kernel gives them.
 _NATIVE_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+# The activation dtypes the fused kernels take (rms_norm, act_mul, qkv_rope_cache,
+# decode_attention), with what their Choice reason adds.
+_FUSED_DTYPES = {torch.float32: "", torch.bfloat16: " in its bf16 form (bfloat16 in and out, float32 inside)"}
 
 
 @dataclass(frozen=True)
@@ -93,23 +96,23 @@ def select_ops(
     else:
         why_not = ""
     cpu_lib = lib is not None
-    f32 = cpu_lib and dtype == torch.float32
-    why_not_f32 = why_not or f"the fused kernels take float32 activations, not {str(dtype).removeprefix('torch.')}"
+    dtype_name = str(dtype).removeprefix("torch.")
+    takes_dtype = cpu_lib and dtype in _FUSED_DTYPES
+    why_not_fused = why_not or f"the fused kernels take float32 or bfloat16 activations, not {dtype_name}"
     kernel = lib.name if lib is not None else "native"
 
     use: dict[str, bool] = {}
     choices: dict[str, Choice] = {}
 
-    def pick(op: str, ok: bool, reason_no: str, torch_name: str = "torch") -> None:
+    def pick(op: str, ok: bool, reason_no: str, torch_name: str = "torch", form: str = "") -> None:
         if op in disable:
             ok, reason_no = False, "disabled by the caller"
         use[op] = ok
-        choices[op] = Choice(kernel, "the C kernel runs here") if ok else Choice(torch_name, reason_no)
+        choices[op] = Choice(kernel, "the C kernel runs here" + form) if ok else Choice(torch_name, reason_no)
 
-    pick("rms_norm", f32, why_not_f32)
-    pick("act_mul", f32, why_not_f32)
-    pick("qkv_rope_cache", f32, why_not_f32)
-    pick("decode_attention", f32, why_not_f32, torch_name="torch-sdpa")
+    for op in ("rms_norm", "act_mul", "qkv_rope_cache", "decode_attention"):
+        pick(op, takes_dtype, why_not_fused, "torch-sdpa" if op == "decode_attention" else "torch",
+             _FUSED_DTYPES.get(dtype, ""))
     pick("argmax", cpu_lib, why_not)  # logits are float32 whatever the model's dtype
     pick("int8_matmul", cpu_lib, why_not)
     unknown = disable - set(choices)
@@ -127,7 +130,7 @@ def select_ops(
         act_mul_kernels=lib if use["act_mul"] else None,
         choices=choices,
     )
-    log.info("ops for %s/%s: %s", device.type, str(dtype).removeprefix("torch."),
+    log.info("ops for %s/%s: %s", device.type, dtype_name,
              ", ".join(f"{op}={c.impl}" for op, c in choices.items()))
     return table
 

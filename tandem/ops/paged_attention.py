@@ -6,9 +6,9 @@ metadata built once per step (``AttentionMetadata``) maps them into padded per-s
 its length) and gathers each sequence's keys through its block table. Masks encode causality,
 each sequence's context length and, for sliding-window layers, the window. No Python loop runs
 over sequences inside the forward pass. Where the op table has a decode-attention kernel (on the
-CPU in float32: ``tandem/kernels/decode_attention.c``), the decode group (one query per sequence)
-instead runs it: keys and values read through the block tables directly, no gathered copy and
-no mask.
+CPU in float32 or bfloat16: ``tandem/kernels/decode_attention.c`` and its bf16 form), the decode
+group (one query per sequence) instead runs it: keys and values read through the block tables
+directly, no gathered copy and no mask.
 """
 
 from __future__ import annotations
