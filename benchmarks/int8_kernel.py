@@ -49,7 +49,7 @@ def time_shape(lib: native.Kernels, name: str, n: int, k: int, args) -> list[dic
         budget = args.seconds * (4 if name == "head" else 1)
         fp32 = best_ms(lambda: F.linear(x, w), budget)
         kernel = best_ms(lambda: lib.gemm_i8(x, q, s), budget)
-        saved, quant.use_kernel = quant.use_kernel, lambda rows, elements: False
+        saved, quant.use_kernel = quant.use_kernel, lambda *args: False
         blocked = best_ms(lambda: quant.int8_matmul(x, q, s, kernels=lib), budget)
         quant.use_kernel = saved
         w8a8 = best_ms(lambda: lib.gemm_w8a8(x, q, s), budget)
