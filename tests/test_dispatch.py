@@ -10,7 +10,8 @@ import torch
 from tandem.ops import dispatch, reference
 from tandem.ops.dispatch import select_ops
 
-KERNEL_OPS = ("rms_norm", "act_mul", "qkv_rope_cache", "decode_attention", "argmax", "int8_matmul")
+KERNEL_OPS = ("rms_norm", "act_mul", "qkv_rope_cache", "decode_attention", "argmax", "int8_matmul",
+              "int4_matmul")
 
 
 FAKE = SimpleNamespace(name="native-fake", rms_norm=None, qkv_to_cache=None, decode_attention=lambda *a: None,
@@ -27,7 +28,7 @@ def test_float32_cpu_with_the_library_uses_every_kernel(monkeypatch):
     _fake_library(monkeypatch, True)
     ops = select_ops("cpu", torch.float32)
     assert all(ops.choices[op].impl == "native-fake" for op in KERNEL_OPS)
-    assert ops.int8_kernels is FAKE and ops.decode_attention is not None
+    assert ops.int8_kernels is FAKE and ops.int4_kernels is FAKE and ops.decode_attention is not None
     assert ops.rms_norm is not reference.rms_norm
 
 
@@ -38,8 +39,8 @@ def test_bfloat16_keeps_only_the_kernels_that_take_its_tensors(monkeypatch):
         assert ops.choices[op].impl == "torch"
         assert "bfloat16" in ops.choices[op].reason
     assert ops.choices["decode_attention"].impl == "torch-sdpa" and ops.decode_attention is None
-    # logits are float32 whatever the model's dtype, and int8 matmuls take float32 inputs
-    assert ops.choices["argmax"].impl.startswith("native") and ops.int8_kernels is FAKE
+    # logits are float32 whatever the model's dtype, and int8/int4 matmuls take float32 inputs
+    assert ops.choices["argmax"].impl.startswith("native") and ops.int8_kernels is FAKE and ops.int4_kernels is FAKE
 
 
 @pytest.mark.parametrize("device, kernels, present, reason", [
@@ -50,7 +51,7 @@ def test_bfloat16_keeps_only_the_kernels_that_take_its_tensors(monkeypatch):
 def test_torch_everywhere_names_the_reason(monkeypatch, device, kernels, present, reason):
     _fake_library(monkeypatch, present)
     ops = select_ops(device, torch.float32, kernels=kernels)
-    assert ops.int8_kernels is None and ops.decode_attention is None
+    assert ops.int8_kernels is None and ops.int4_kernels is None and ops.decode_attention is None
     assert ops.rms_norm is reference.rms_norm and ops.argmax_rows is reference.argmax_rows
     for op in KERNEL_OPS:
         assert ops.choices[op].impl.startswith("torch") and reason in ops.choices[op].reason
