@@ -43,8 +43,9 @@ BYTES_PER_WEIGHT = 0.5 + 2 / INT4_GROUP  # the nibble and its share of a float16
 INT4_ROWS = KernelRows(layers=32, large=128)
 # Candidate scales, as multiples of the smallest one that keeps every value within half a step.
 SCALE_STEPS = (1.0, 1.025, 1.05, 1.075, 1.1, 1.125, 1.15, 1.175, 1.2, 1.225, 1.25)
-# Weights quantized per pass (bounds the float32 temporaries while the output table is quantized).
-QUANT_ELEMENTS = 1 << 22
+# Weights quantized per pass: the float32 temporaries stay in cache, and memory stays bounded while
+# the output table is quantized.
+QUANT_ELEMENTS = 1 << 20
 
 
 def _half_at_least(d: torch.Tensor) -> torch.Tensor:
@@ -56,19 +57,22 @@ def _half_at_least(d: torch.Tensor) -> torch.Tensor:
 
 
 def _codes(groups: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float32 ``groups`` [..., 32] and per-group ``scale`` [...] -> integers in [-8, 7] (float)."""
+    """float32 ``groups`` [..., 32] and per-group ``scale`` [...] -> integers in [-8, 7] (float):
+    ``round_half_even(w / d)``, 0 where ``d`` is 0."""
     d = scale[..., None]
-    return torch.where(d > 0, torch.round(groups / torch.where(d > 0, d, 1.0)), 0.0).clamp_(-8, 7)
+    return torch.div(groups, torch.where(d > 0, d, torch.inf)).round_().clamp_(-8, 7)
 
 
 def _best_scales(groups: torch.Tensor) -> torch.Tensor:
-    """Per group, the float16 scale among ``SCALE_STEPS`` with the least squared error."""
+    """Per group, the float16 scale among ``SCALE_STEPS`` with the least squared error
+    (``|q d - w|^2 = d^2 q.q - 2 d q.w + w.w``; the last term is the same for every candidate)."""
     d0 = torch.maximum(groups.amax(-1) / 7.5, -groups.amin(-1) / 8.5).clamp_min(0.0)
     best, best_err = None, None
     for step in SCALE_STEPS:
         d = _half_at_least(d0 * step)
         df = d.float()
-        err = (_codes(groups, df) * df[..., None] - groups).square_().sum(-1)
+        q = _codes(groups, df)
+        err = df * (df * torch.linalg.vecdot(q, q) - 2 * torch.linalg.vecdot(q, groups))
         if best is None:
             best, best_err = d, err
         else:
