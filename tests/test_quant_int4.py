@@ -43,32 +43,38 @@ def test_quantize_error_is_at_most_half_a_step_per_group(k):
     w = torch.randn(rows, k) * torch.logspace(-6, 1, rows)[:, None]
     w[5] = 0.0  # an all-zero row must not divide by zero
     w[7, :k // 2] = 0.0  # and neither may an all-zero group
-    w[9] = w[9].abs()  # one-signed groups use the whole range on their side
+    w[9] = w[9].abs()  # one-signed groups: the scale's sign puts the extreme near -8
+    w[10] = -w[10].abs()
     packed, scales = quantize_groups(w)
     groups = -(-k // INT4_GROUP)
     assert packed.shape == (rows, groups * 16) and scales.shape == (rows, groups) and scales.dtype == torch.float16
     codes = unpack(packed)
     assert int(codes.min()) >= -8 and int(codes.max()) <= 7
     assert torch.all(codes[:, k:] == 0)  # the short last group is padded with zero codes
-    step = scales.float().repeat_interleave(INT4_GROUP, dim=1)[:, :k]
+    assert torch.all(scales[9] <= 0) and torch.all(scales[10] >= 0)
+    step = scales.float().abs().repeat_interleave(INT4_GROUP, dim=1)[:, :k]
     err = (dequantize(packed, scales, k) - w).abs()
     assert torch.all(err <= step / 2 * (1 + 1e-6))
     assert torch.all(dequantize(packed, scales, k)[5] == 0)
-    # No scale is larger than the search allows: the steps are as fine as the bound permits.
+    # The steps are as fine as the bound permits, up to the search's largest step.
     g = torch.nn.functional.pad(w, (0, groups * INT4_GROUP - k)).view(rows, groups, INT4_GROUP)
-    d0 = torch.maximum(g.amax(-1) / 7.5, -g.amin(-1) / 8.5)
-    assert torch.all(scales.float() <= d0 * max(SCALE_STEPS) * (1 + 2e-3) + 1e-7)
+    hi, lo = g.amax(-1), g.amin(-1)
+    smallest = torch.maximum(torch.maximum(hi, -lo) / 8.5, torch.minimum(hi, -lo).clamp_min(0) / 7.5)
+    assert torch.all(scales.float().abs() <= smallest * max(SCALE_STEPS) * (1 + 2e-3) + 1e-7)
 
 
 def test_scale_search_beats_the_smallest_scale():
+    """The chosen scales have less error, weighted by w ** 2, than the smallest valid ones."""
     torch.manual_seed(3)
     w = torch.randn(64, 256)
     packed, scales = quantize_groups(w)
     g = w.view(64, -1, INT4_GROUP)
-    d0 = torch.maximum(g.amax(-1) / 7.5, -g.amin(-1) / 8.5)
-    plain = ((torch.round(g / d0[..., None]).clamp(-8, 7) * d0[..., None] - g) ** 2).sum()
-    searched = ((dequantize(packed, scales, 256) - w) ** 2).sum()
-    assert searched < 0.95 * plain
+    hi, lo = g.amax(-1), g.amin(-1)
+    d = torch.maximum(torch.maximum(hi, -lo) / 8.5, torch.minimum(hi, -lo) / 7.5)
+    d = torch.where(-lo >= hi, d, -d)[..., None]
+    smallest = torch.round(g / d).clamp(-8, 7) * d
+    searched = dequantize(packed, scales, 256).view_as(g)
+    assert (g**2 * (searched - g) ** 2).sum() < 0.95 * (g**2 * (smallest - g) ** 2).sum()
 
 
 def _reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, k: int) -> torch.Tensor:

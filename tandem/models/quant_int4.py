@@ -14,13 +14,16 @@ Why these choices:
   decode step that is bound by reading them; F16C (which every AVX2 CPU has) widens one per group
   in a single instruction, and the product of a 4-bit integer and a float16 scale is exact in
   float32, so the dequantized weights are exactly ``q * d``.
-- [-8, 7], not [-7, 7]: all sixteen codes are used. The smallest scale that keeps every value
-  within half a step of a code is ``d0 = max(max(w) / 7.5, -min(w) / 8.5)`` (the range
-  [-8.5 d, 7.5 d]); each group then takes the scale among ``d0 * SCALE_STEPS`` with the least
-  squared error, all at least ``d0``, so the rounding error stays at most half a step. On the
-  default model this cuts the squared error by 11% against ``d0`` alone and by 21% against
-  [-7, 7] with ``max|w| / 7``.
-
+- [-8, 7], not [-7, 7]: all sixteen codes are used, and the scale's sign is free, so each group
+  puts its largest-magnitude value on the side of -8: that side has 8.5 half-steps of room, the
+  other 7.5. The smallest scale that keeps every value within half a step of a code is
+  ``|d0| = max(|extreme| / 8.5, |other side| / 7.5)``; each group then takes the scale among
+  ``d0 * SCALE_STEPS`` (all at least as large, so the rounding error stays at most half a step)
+  with the least squared error weighted by ``w ** 2``, which keeps the large weights closest.
+  On the default model (6 texts, 762 tokens, every weight rounded) the mean KL against float32
+  was 0.54 nats with the smallest positive scale alone, 0.58 with [-7, 7] and ``max|w| / 7``,
+  0.45-0.47 with the scale llama.cpp's Q4_0 takes (``extreme / -8``, the other side clamped),
+  0.49 with the least plain squared error over positive scales, and 0.40 with this.
 Activations stay float32 (weight-only). For few rows (decode) ``int4_matmul`` calls the C kernel
 (``tandem/kernels/int4_gemm.c``), which unpacks the nibbles in registers; for many (prefill) it
 dequantizes blocks of rows and calls BLAS, as int8 does (``quant.quantized_matmul``). The plain
@@ -49,30 +52,46 @@ QUANT_ELEMENTS = 1 << 20
 
 
 def _half_at_least(d: torch.Tensor) -> torch.Tensor:
-    """float32 ``d >= 0`` -> the nearest float16 that is not below it (where rounding to the
-    nearest went down, the next float16 up), so a scale never shrinks when it is stored."""
-    h = d.half()
-    up = (h.view(torch.int16) + 1).view(torch.float16)
-    return torch.where(h.float() < d, up, h)
+    """float32 ``d`` -> the float16 of the same sign nearest to it whose magnitude is not below
+    ``|d|`` (where rounding to the nearest went down, the next float16 away from zero), so a
+    scale never shrinks when it is stored."""
+    a = d.abs()
+    h = a.half()
+    h = torch.where(h.float() < a, (h.view(torch.int16) + 1).view(torch.float16), h)
+    return torch.where(d < 0, -h, h)
 
 
 def _codes(groups: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """float32 ``groups`` [..., 32] and per-group ``scale`` [...] -> integers in [-8, 7] (float):
     ``round_half_even(w / d)``, 0 where ``d`` is 0."""
     d = scale[..., None]
-    return torch.div(groups, torch.where(d > 0, d, torch.inf)).round_().clamp_(-8, 7)
+    return torch.div(groups, torch.where(d != 0, d, torch.inf)).round_().clamp_(-8, 7)
+
+
+def _smallest_scales(groups: torch.Tensor) -> torch.Tensor:
+    """Per group, the scale of least magnitude that keeps every value within half a step of a
+    code, signed so that the largest-magnitude value rounds towards -8."""
+    hi, lo = groups.amax(-1), groups.amin(-1)
+    negative = -lo >= hi  # the extreme is negative: a positive scale puts it near -8
+    extreme = torch.where(negative, -lo, hi)
+    other = torch.where(negative, hi, -lo).clamp_min(0.0)
+    size = torch.maximum(extreme / 8.5, other / 7.5)
+    return torch.where(negative, size, -size)
 
 
 def _best_scales(groups: torch.Tensor) -> torch.Tensor:
-    """Per group, the float16 scale among ``SCALE_STEPS`` with the least squared error
-    (``|q d - w|^2 = d^2 q.q - 2 d q.w + w.w``; the last term is the same for every candidate)."""
-    d0 = torch.maximum(groups.amax(-1) / 7.5, -groups.amin(-1) / 8.5).clamp_min(0.0)
+    """Per group, the float16 scale among ``_smallest_scales * SCALE_STEPS`` with the least
+    squared error weighted by ``w ** 2``: ``sum v (q d - w)^2 = d^2 v.q^2 - 2 d (v w).q + v.w^2``
+    with ``v = w ** 2``; the last term is the same for every candidate."""
+    d0 = _smallest_scales(groups)
+    v = groups.square()
+    vw = v * groups
     best, best_err = None, None
     for step in SCALE_STEPS:
         d = _half_at_least(d0 * step)
         df = d.float()
         q = _codes(groups, df)
-        err = df * (df * torch.linalg.vecdot(q, q) - 2 * torch.linalg.vecdot(q, groups))
+        err = df * (df * torch.linalg.vecdot(q.square(), v) - 2 * torch.linalg.vecdot(q, vw))
         if best is None:
             best, best_err = d, err
         else:
