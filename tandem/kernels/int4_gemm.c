@@ -31,6 +31,13 @@
 #define PREFETCH_BYTES 4096
 #define PREFETCH_SCALES 256
 
+/* A group's 16 bytes -> its values 0-15 (lo) and 16-31 (hi) as int8 codes in [-8, 7]. */
+static inline void split_group(const uint8_t *p, __m128i *lo, __m128i *hi) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    *lo = _mm_sub_epi8(_mm_and_si128(b, mask), eight);
+    *hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), mask), eight);
+}
+
 #ifdef __AVX512F__
 /* 16 lanes: a group is two vectors, its low and its high nibbles. */
 #define VW 16
@@ -43,9 +50,8 @@ typedef __m512 vf;
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VHSUM(v) _mm512_reduce_add_ps(v)
 static inline void unpack_group(const uint8_t *p, vf w[2]) {
-    __m128i b = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-    __m128i lo = _mm_sub_epi8(_mm_and_si128(b, mask), eight);
-    __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), mask), eight);
+    __m128i lo, hi;
+    split_group(p, &lo, &hi);
     w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
     w[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
 }
@@ -62,9 +68,8 @@ typedef __m256 vf;
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VHSUM(v) hsum8(v)
 static inline void unpack_group(const uint8_t *p, vf w[4]) {
-    __m128i b = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-    __m128i lo = _mm_sub_epi8(_mm_and_si128(b, mask), eight);
-    __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), mask), eight);
+    __m128i lo, hi;
+    split_group(p, &lo, &hi);
     w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
     w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
     w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
