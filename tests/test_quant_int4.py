@@ -11,15 +11,15 @@ import copy
 import pytest
 import torch
 
-from tandem import LLM, SamplingParams
 from tandem.build import QUANTIZERS, load_model
 from tandem.config import QUANTIZATIONS, ModelConfig
 from tandem.kernels import native
 from tandem.models import quant
 from tandem.models.quant_int4 import (
-    BYTES_PER_WEIGHT, INT4_GROUP, SCALE_STEPS, Int4Linear, dequantize, int4_matmul, pack, quantize_groups, unpack,
+    BYTES_PER_WEIGHT, INT4_GROUP, INT4_ROWS, SCALE_STEPS, Int4Linear, dequantize, int4_matmul, pack, quantize_groups,
+    unpack,
 )
-from quant_helpers import copy_rounded_weights, prefill_logits
+from quant_helpers import assert_greedy_is_batch_independent, copy_rounded_weights, path_kernels, prefill_logits
 from tiny_models import VOCAB, save_tiny
 
 
@@ -125,10 +125,7 @@ def test_kernel_rejects_mismatched_weights(kernels):
 @pytest.mark.parametrize("m, k", [(1, 64), (40, 64), (1, 48), (40, 48)])
 @pytest.mark.parametrize("use_kernels", [True, False])
 def test_int4_matmul_paths_agree(monkeypatch, m, k, use_kernels):
-    if use_kernels and not native.available():
-        pytest.skip("no native kernel here")
-    kernels = native.best() if use_kernels else None
-    monkeypatch.setattr(quant, "DEQUANT_ELEMENTS", 64 * k)  # several row blocks even for a small weight
+    kernels = path_kernels(monkeypatch, use_kernels, k)
     torch.manual_seed(2)
     packed, scales = quantize_groups(torch.randn(200, k))
     x = torch.randn(3, m, k)  # leading dimensions are kept
@@ -178,18 +175,12 @@ def test_int4_model_equals_float_model_with_rounded_weights(tmp_path, family, ov
 
 
 def test_int4_engine_greedy_is_batch_independent(tmp_path):
-    save_tiny("gemma3", tmp_path)
-    llm = LLM(str(tmp_path), dtype="float32", device="cpu", quantization="int4", max_num_batched_tokens=16)
-    prompts = [[1] + [(7 * i + 3 * j) % (VOCAB - 3) + 3 for j in range(5 + 4 * i)] for i in range(5)]
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    together = [o.token_ids for o in llm.generate(prompts, params)]
-    alone = [llm.generate(p, params)[0].token_ids for p in prompts]
-    assert together == alone
-    assert llm.engine.allocator.all_free()
+    assert_greedy_is_batch_independent(tmp_path, "int4")
 
 
 def test_every_quantization_has_a_quantizer_and_honest_bytes(tmp_path):
     assert set(QUANTIZERS) == set(QUANTIZATIONS) - {"none"}
+    assert set(INT4_ROWS) == set(native.VARIANT_NAMES)  # row limits for every kernel variant
     assert BYTES_PER_WEIGHT == 0.5625  # half a byte and a float16 scale per 32 weights
     with pytest.raises(ValueError, match="quantization: 'int4' runs on the CPU only"):
         ModelConfig(quantization="int4", device="cuda").validate()

@@ -75,9 +75,9 @@ def use_kernel(rows: int, weight_elements: int, limits: KernelRows = INT8_ROWS) 
 
 
 def quantized_matmul(x2: torch.Tensor, n: int, kernel: Callable[[torch.Tensor], torch.Tensor] | None,
-                     dequant: Dequant, limits: KernelRows) -> torch.Tensor:
+                     dequant: Dequant, limits: KernelRows | None) -> torch.Tensor:
     """``x2`` float32 [M, K] times a quantized weight [N, K] -> [M, N]. With a C ``kernel`` (None:
-    plain torch) and at most ``limits`` rows, the kernel; else blocks of whole weight rows,
+    plain torch, and then no ``limits``) and at most ``limits`` rows, the kernel; else blocks of whole weight rows,
     dequantized by ``dequant`` (into a reused float32 buffer when the kernels run, else by torch),
     each multiplied by BLAS into contiguous rows of the transposed result."""
     m, k = x2.shape
@@ -200,7 +200,8 @@ class QuantEmbedding(nn.Module):
         return self._head[0].rows(ids).to(self.dtype)
 
 
-def quantize_model(model: CausalLM, make: Callable[[torch.Tensor, "torch.Tensor | None", str], QuantLinear]) -> CausalLM:
+def quantize_model(model: CausalLM,
+                   make: Callable[[torch.Tensor, "torch.Tensor | None", str], QuantLinear]) -> CausalLM:
     """Replace every ``nn.Linear`` in place by ``make(weight, bias, name)``; with tied embeddings,
     the table becomes the output head ``make(table, None, "lm_head")`` and the embedding looks its
     rows up there (one quantized table for both). Returns ``model``."""

@@ -32,6 +32,8 @@ torch path (no kernels, or ``kernels='torch'``) dequantizes the same way, bit fo
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -42,8 +44,12 @@ from tandem.models.quant import KernelRows, QuantLinear, quantize_model, quantiz
 INT4_GROUP = 32
 GROUP_BYTES = INT4_GROUP // 2
 BYTES_PER_WEIGHT = 0.5 + 2 / INT4_GROUP  # the nibble and its share of a float16 scale
-# Where the int4 kernel stops beating dequantize + BLAS (benchmarks/int8_kernel.py --kinds int4).
-INT4_ROWS = KernelRows(layers=32, large=128)
+# Up to how many rows each kernel variant beats dequantize + BLAS (benchmarks/int8_kernel.py
+# --kinds int4, on a 2-core AMD EPYC with AVX-512): the AVX2 kernel up to about 32 rows, for the
+# layers' weights and the output head alike; the AVX-512 one at every row count measured, up to
+# 512 (it also beat float32 BLAS there), so it serves every call and int4 rows are
+# batch-invariant at every batch size where it runs.
+INT4_ROWS = {"avx512": KernelRows(layers=sys.maxsize, large=sys.maxsize), "avx2": KernelRows(layers=32, large=32)}
 # Candidate scales, as multiples of the smallest one that keeps every value within half a step.
 SCALE_STEPS = (1.0, 1.025, 1.05, 1.075, 1.1, 1.125, 1.15, 1.175, 1.2, 1.225, 1.25)
 # Weights quantized per pass: the float32 temporaries stay in cache, and memory stays bounded while
@@ -153,7 +159,8 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, k: 
         return dequantize(packed[n0:n1], scales[n0:n1], k)
 
     kernel = None if kernels is None else (lambda x2: kernels.gemm_i4(x2, packed, scales))
-    return quantized_matmul(x2, packed.shape[0], kernel, dequant, INT4_ROWS).reshape(*lead, -1)
+    limits = INT4_ROWS[kernels.isa.name] if kernels is not None else None
+    return quantized_matmul(x2, packed.shape[0], kernel, dequant, limits).reshape(*lead, -1)
 
 
 class Int4Linear(QuantLinear):
