@@ -1,12 +1,27 @@
-"""What the quantization tests share: a model's logits for one prefill, and a float model given a
-quantized model's rounded weights."""
+"""What the quantization tests share: the kernels for a paths test, a model's logits for one
+prefill, a float model given a quantized model's rounded weights, and greedy generation checked
+for batch independence."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from tandem import LLM, SamplingParams
+from tandem.kernels import native
+from tandem.models import quant
 from tandem.models.context import ForwardContext
 from tandem.ops.paged_attention import build_metadata
+from tiny_models import VOCAB, save_tiny
+
+
+def path_kernels(monkeypatch, use_kernels: bool, k: int) -> native.Kernels | None:
+    """The kernels a matmul-paths test runs on (None: plain torch; skipped where none run), with
+    the blocked path cut into several row blocks even for a small weight of ``k`` columns."""
+    if use_kernels and not native.available():
+        pytest.skip("no native kernel here")
+    monkeypatch.setattr(quant, "DEQUANT_ELEMENTS", 64 * k)
+    return native.best() if use_kernels else None
 
 
 def prefill_logits(loaded, ids: torch.Tensor) -> torch.Tensor:
@@ -31,3 +46,15 @@ def copy_rounded_weights(float_model: torch.nn.Module, quantized: torch.nn.Modul
         if float_model.lm_head is None:
             table = float_model.model.embed_tokens.weight
             table.copy_(quantized.lm_head.rows(torch.arange(table.shape[0])))
+
+
+def assert_greedy_is_batch_independent(tmp_path, quantization: str) -> None:
+    """Greedy tokens of five prompts generated together equal those generated one at a time."""
+    save_tiny("gemma3", tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", quantization=quantization, max_num_batched_tokens=16)
+    prompts = [[1] + [(7 * i + 3 * j) % (VOCAB - 3) + 3 for j in range(5 + 4 * i)] for i in range(5)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    together = [o.token_ids for o in llm.generate(prompts, params)]
+    alone = [llm.generate(p, params)[0].token_ids for p in prompts]
+    assert together == alone
+    assert llm.engine.allocator.all_free()

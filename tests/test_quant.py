@@ -12,13 +12,11 @@ import copy
 import pytest
 import torch
 
-from tandem import LLM, SamplingParams
 from tandem.build import load_model
 from tandem.config import ModelConfig
 from tandem.kernels import native
-from tandem.models import quant
 from tandem.models.quant import Int8Linear, int8_matmul, quantize_activations, quantize_rows
-from quant_helpers import copy_rounded_weights, prefill_logits
+from quant_helpers import assert_greedy_is_batch_independent, copy_rounded_weights, path_kernels, prefill_logits
 from tiny_models import VOCAB, save_tiny
 
 
@@ -87,10 +85,7 @@ def test_quantize_activations_rounds_each_block_to_int8_steps():
 @pytest.mark.parametrize("w8a8, m, k", [(False, 1, 48), (False, 40, 48), (True, 7, 64), (True, 7, 48)])
 @pytest.mark.parametrize("use_kernels", [True, False])
 def test_int8_matmul_paths_agree(monkeypatch, w8a8, m, k, use_kernels):
-    if use_kernels and not native.available():
-        pytest.skip("no native kernel here")
-    kernels = native.best() if use_kernels else None
-    monkeypatch.setattr(quant, "DEQUANT_ELEMENTS", 64 * k)  # several row blocks even for a small weight
+    kernels = path_kernels(monkeypatch, use_kernels, k)
     torch.manual_seed(2)
     q, s = quantize_rows(torch.randn(200, k))
     x = torch.randn(3, m, k)  # leading dimensions are kept
@@ -150,14 +145,7 @@ def test_w8a8_model_kernel_equals_plain_torch(tmp_path, family):
 
 @pytest.mark.parametrize("quantization", ["int8", "w8a8"])
 def test_int8_engine_greedy_is_batch_independent(tmp_path, quantization):
-    save_tiny("gemma3", tmp_path)
-    llm = LLM(str(tmp_path), dtype="float32", device="cpu", quantization=quantization, max_num_batched_tokens=16)
-    prompts = [[1] + [(7 * i + 3 * j) % (VOCAB - 3) + 3 for j in range(5 + 4 * i)] for i in range(5)]
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    together = [o.token_ids for o in llm.generate(prompts, params)]
-    alone = [llm.generate(p, params)[0].token_ids for p in prompts]
-    assert together == alone
-    assert llm.engine.allocator.all_free()
+    assert_greedy_is_batch_independent(tmp_path, quantization)
 
 
 def test_quantization_is_validated():
