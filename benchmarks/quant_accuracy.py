@@ -1,4 +1,4 @@
-"""What lower precision costs in accuracy: bfloat16, weight-only int8 and w8a8 against float32.
+"""What lower precision costs in accuracy: bfloat16, weight-only int8, w8a8 and int4 against float32.
 
     .venv/bin/python benchmarks/quant_accuracy.py --out docs/results/quant_accuracy
 
@@ -13,6 +13,8 @@ next to the reference and freed after use:
 - ``int8``: ``dtype="float32", quantization="int8"`` (weight-only int8, float32 activations),
 - ``w8a8``: ``dtype="float32", quantization="w8a8"`` (int8 weights; each layer's inputs rounded to
   int8 per block of 32 values),
+- ``int4`` (not in the default list): ``dtype="float32", quantization="int4"`` (weight-only 4-bit,
+  a float16 scale per 32 input values of each output row),
 - ``int8-bfloat16`` (not in the default list): ``dtype="bfloat16", quantization="int8"``.
 
 Teacher-forced part: real prompts (ShareGPT first turns from ``../shared/datasets``; without it,
@@ -73,10 +75,12 @@ VARIANTS = {
     "bfloat16": ("bfloat16", "none"),
     "int8": ("float32", "int8"),
     "w8a8": ("float32", "w8a8"),
+    "int4": ("float32", "int4"),
     "int8-bfloat16": ("bfloat16", "int8"),
 }
 REFERENCE = ("float32", "none")
-WEIGHTS_LABEL = {"int8": "int8 per-row", "w8a8": "int8 per-row, int8 inputs per 32"}
+WEIGHTS_LABEL = {"int8": "int8 per-row", "w8a8": "int8 per-row, int8 inputs per 32",
+                 "int4": "int4 per 32, float16 scales"}
 
 
 def log(msg: str) -> None:
@@ -264,7 +268,7 @@ def markdown(result: dict) -> str:
     cfg, m = result["config"], result["machine"]
     tf, gr = result["teacher_forced"], result["greedy"]
     lines = [
-        "# Accuracy cost of bfloat16, int8 weights and w8a8",
+        "# Accuracy cost of " + ", ".join(result["variants"]),
         "",
         f"Regenerate: `{result['command']}`",
         "(raw numbers: [quant_accuracy.json](quant_accuracy.json)).",
@@ -319,8 +323,9 @@ def markdown(result: dict) -> str:
         "Forward seconds are the summed teacher-forced forward passes at the run's thread count on a "
         "shared machine: a rough guide, not a speed measurement. "
         "The teacher-forced numbers run the prefill path (for int8: blocked dequantize + float32 BLAS; for "
-        "w8a8: its integer kernel, the same at every batch size); greedy decode runs int8's small-batch "
-        "kernel, which agrees with the prefill path to float32 rounding.",
+        "w8a8, and for int4 with the AVX-512 kernels: the kernel, the same at every batch size; for int4 "
+        "with the AVX2 ones: blocked dequantize + BLAS); greedy decode runs the small-batch kernels, which "
+        "agree with the prefill path to float32 rounding.",
         "",
     ]
     return "\n".join(lines)

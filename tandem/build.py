@@ -9,7 +9,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -21,6 +21,8 @@ from tandem.kernels.cpu_features import cpu_info
 from tandem.models.auto_mode import AutoChoice, choose_quantization
 from tandem.models.base import CausalLM
 from tandem.models.quant import quantize_model_int8
+from tandem.models.quant_int4 import BYTES_PER_WEIGHT as INT4_BYTES_PER_WEIGHT
+from tandem.models.quant_int4 import quantize_model_int4
 from tandem.models.registry import build_model
 from tandem.models.spec import ModelSpec
 from tandem.ops.dispatch import OpTable, select_ops
@@ -33,6 +35,22 @@ from tandem.weights.loader import load_weights
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 8192  # keeps rope tables and the default KV budget modest on a CPU
+
+
+class Quantizer(NamedTuple):
+    apply: Callable[[CausalLM], CausalLM]
+    """Quantizes a loaded model's weights in place."""
+    bytes_per_weight: float
+    """Bytes one matmul weight takes as stored, scales included where they count (int8's one
+    float32 per row of hundreds of weights is left out; int4's float16 per 32 weights is not)."""
+
+
+# Every --quantization but 'none' (config.QUANTIZATIONS).
+QUANTIZERS = {
+    "int8": Quantizer(quantize_model_int8, 1.0),
+    "w8a8": Quantizer(lambda model: quantize_model_int8(model, w8a8=True), 1.0),
+    "int4": Quantizer(quantize_model_int4, INT4_BYTES_PER_WEIGHT),
+}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -102,9 +120,11 @@ class LoadedModel:
                 f"({p['quantization_reason']})")
 
     @property
-    def weight_bytes(self) -> int:
-        """Bytes per matmul weight as stored (int8 scales, one per row, are left out)."""
-        return 1 if self.quantization != "none" else self.dtype.itemsize
+    def weight_bytes(self) -> float:
+        """Bytes per matmul weight as stored (``Quantizer.bytes_per_weight``; a fraction for int4)."""
+        if self.quantization == "none":
+            return self.dtype.itemsize
+        return QUANTIZERS[self.quantization].bytes_per_weight
 
     def cost(self) -> ModelCost:
         """FLOPs and bytes per step of this model as loaded (dtype and weight format)."""
@@ -158,7 +178,7 @@ def load_model(config: ModelConfig, ops: OpTable | None = None) -> LoadedModel:
     model = _instantiate(spec, max_len, device, dtype, ops)
     load_weights(model, iter_safetensors(weights_dir))
     if quantization != "none":
-        quantize_model_int8(model, w8a8=quantization == "w8a8")
+        QUANTIZERS[quantization].apply(model)
     model.eval()
     return LoadedModel(
         model, tokenizer, spec, config.model or "gemma-3-270m", max_len, device, dtype, quantization, auto

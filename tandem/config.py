@@ -19,7 +19,7 @@ from tandem.ops.modes import KERNEL_MODES
 POLICIES = tuple(POLICY_REGISTRY)  # the registry is the one list; this is its CLI view
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = ("auto", "none", "int8", "w8a8")
+QUANTIZATIONS = ("auto", "none", "int8", "w8a8", "int4")
 
 
 def _help(text: str, **extra: Any) -> dict[str, Any]:
@@ -124,7 +124,10 @@ class ModelConfig:
             "stay in --dtype; a quarter of float32's bytes for memory-bound decode); 'w8a8' "
             "(int8 weights as 'int8', and each layer's inputs rounded to int8 at run time, one "
             "scale per 32 values, multiplied in integers: faster prefill and large batches, at "
-            "a small accuracy cost); both CPU only",
+            "a small accuracy cost); 'int4' (weight-only 4-bit, a float16 scale per 32 input "
+            "values of each output row, every linear layer and the embedding/output table: "
+            "0.56 bytes per weight, for faster memory-bound decode at a larger accuracy cost); "
+            "all CPU only",
             choices=QUANTIZATIONS,
         ),
     )

@@ -34,10 +34,10 @@ class ModelCost:
     head_params: int  # the output layer (vocab x hidden)
     attn_flops_per_pair: int  # per (query token, visible key) pair, all layers
     kv_bytes_per_token: int  # keys + values of one token, all layers
-    weight_bytes: int  # bytes of one matmul parameter (1 with int8 weights)
+    weight_bytes: float  # bytes of one matmul parameter (1 with int8 weights, 0.5625 with int4)
 
     @classmethod
-    def from_spec(cls, spec: ModelSpec, dtype_bytes: int, weight_bytes: int | None = None) -> "ModelCost":
+    def from_spec(cls, spec: ModelSpec, dtype_bytes: int, weight_bytes: float | None = None) -> "ModelCost":
         h, kvh, d = spec.hidden_size, spec.num_kv_heads, spec.head_dim
         per_layer = h * spec.num_heads * d * 2 + h * kvh * d * 2 + 3 * h * spec.intermediate_size
         return cls(

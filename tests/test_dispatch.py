@@ -10,7 +10,8 @@ import torch
 from tandem.ops import dispatch, reference
 from tandem.ops.dispatch import select_ops
 
-KERNEL_OPS = ("rms_norm", "act_mul", "qkv_rope_cache", "decode_attention", "argmax", "int8_matmul")
+KERNEL_OPS = ("rms_norm", "act_mul", "qkv_rope_cache", "decode_attention", "argmax", "int8_matmul",
+              "int4_matmul")
 
 
 FAKE = SimpleNamespace(name="native-fake", rms_norm=None, qkv_to_cache=None, decode_attention=lambda *a: None,
@@ -27,7 +28,7 @@ def test_float32_cpu_with_the_library_uses_every_kernel(monkeypatch):
     _fake_library(monkeypatch, True)
     ops = select_ops("cpu", torch.float32)
     assert all(ops.choices[op].impl == "native-fake" for op in KERNEL_OPS)
-    assert ops.int8_kernels is FAKE and ops.decode_attention is not None
+    assert ops.int8_kernels is FAKE and ops.int4_kernels is FAKE and ops.decode_attention is not None
     assert ops.rms_norm is not reference.rms_norm
 
 
@@ -39,7 +40,7 @@ def test_bfloat16_cpu_with_the_library_uses_every_kernel_in_its_bf16_form(monkey
     assert ops.decode_attention is not None and ops.act_mul_kernels is FAKE
     assert ops.rms_norm is not reference.rms_norm and ops.qkv_to_cache is not reference.qkv_to_cache
     # logits are float32 whatever the model's dtype, and int8 matmuls take float32 inputs
-    assert ops.choices["argmax"].impl.startswith("native") and ops.int8_kernels is FAKE
+    assert ops.choices["argmax"].impl.startswith("native") and ops.int8_kernels is FAKE and ops.int4_kernels is FAKE
 
 
 def test_float16_keeps_torch_for_the_fused_kernels_and_names_it(monkeypatch):
@@ -60,7 +61,7 @@ def test_float16_keeps_torch_for_the_fused_kernels_and_names_it(monkeypatch):
 def test_torch_everywhere_names_the_reason(monkeypatch, device, kernels, present, reason):
     _fake_library(monkeypatch, present)
     ops = select_ops(device, torch.float32, kernels=kernels)
-    assert ops.int8_kernels is None and ops.decode_attention is None
+    assert ops.int8_kernels is None and ops.int4_kernels is None and ops.decode_attention is None
     assert ops.rms_norm is reference.rms_norm and ops.argmax_rows is reference.argmax_rows
     for op in KERNEL_OPS:
         assert ops.choices[op].impl.startswith("torch") and reason in ops.choices[op].reason

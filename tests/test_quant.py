@@ -12,15 +12,12 @@ import copy
 import pytest
 import torch
 
-from tandem import LLM
 from tandem.build import load_model
 from tandem.config import ModelConfig
 from tandem.kernels import native
-from tandem.models import quant
-from tandem.models.context import ForwardContext
 from tandem.models.quant import Int8Linear, int8_matmul, quantize_activations, quantize_rows
-from tandem.ops.paged_attention import build_metadata
-from tiny_models import VOCAB, greedy_together_and_alone, save_tiny
+from quant_helpers import assert_greedy_is_batch_independent, copy_rounded_weights, path_kernels, prefill_logits
+from tiny_models import VOCAB, save_tiny
 
 
 
@@ -88,10 +85,7 @@ def test_quantize_activations_rounds_each_block_to_int8_steps():
 @pytest.mark.parametrize("w8a8, m, k", [(False, 1, 48), (False, 40, 48), (True, 7, 64), (True, 7, 48)])
 @pytest.mark.parametrize("use_kernels", [True, False])
 def test_int8_matmul_paths_agree(monkeypatch, w8a8, m, k, use_kernels):
-    if use_kernels and not native.available():
-        pytest.skip("no native kernel here")
-    kernels = native.best() if use_kernels else None
-    monkeypatch.setattr(quant, "DEQUANT_ELEMENTS", 64 * k)  # several row blocks even for a small weight
+    kernels = path_kernels(monkeypatch, use_kernels, k)
     torch.manual_seed(2)
     q, s = quantize_rows(torch.randn(200, k))
     x = torch.randn(3, m, k)  # leading dimensions are kept
@@ -112,29 +106,6 @@ def test_int8_linear_keeps_bias_and_dtype():
     assert qlin(x.bfloat16()).dtype == torch.bfloat16
 
 
-def _logits(loaded, ids: torch.Tensor) -> torch.Tensor:
-    spec = loaded.spec
-    block = 4
-    n_blocks = -(-len(ids) // block)
-    cache = torch.zeros(spec.num_layers, 2, n_blocks * block, spec.num_kv_heads, spec.head_dim)
-    meta = build_metadata([(0, len(ids), list(range(n_blocks)))], block, spec.sliding_window, torch.device("cpu"))
-    with torch.no_grad():
-        return loaded.model.compute_logits(loaded.model(ids, ForwardContext(meta, cache, torch.arange(len(ids)))))
-
-
-def _dequantize_into(float_model: torch.nn.Module, int8_model: torch.nn.Module) -> None:
-    """Give the float model the int8 model's rounded weights (tied embedding table included)."""
-    qmods = dict(int8_model.named_modules())
-    with torch.no_grad():
-        for name, mod in float_model.named_modules():
-            if isinstance(mod, torch.nn.Linear):
-                qm = qmods[name]
-                mod.weight.copy_(dequantized(qm.qweight, qm.scale))
-        if float_model.lm_head is None:
-            head = int8_model.lm_head
-            float_model.model.embed_tokens.weight.copy_(dequantized(head.qweight, head.scale))
-
-
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_int8_model_equals_float_model_with_rounded_weights(tmp_path, family):
     save_tiny(family, tmp_path)
@@ -143,9 +114,9 @@ def test_int8_model_equals_float_model_with_rounded_weights(tmp_path, family):
     int8 = load_model(ModelConfig(model=str(tmp_path), dtype="float32", device="cpu", quantization="int8"))
     assert not any(isinstance(m, torch.nn.Linear) for m in int8.model.modules())
     rounded = copy.deepcopy(plain)
-    _dequantize_into(rounded.model, int8.model)
+    copy_rounded_weights(rounded.model, int8.model)
     ids = torch.randint(3, VOCAB, (37,))
-    got, want, orig = _logits(int8, ids), _logits(rounded, ids), _logits(plain, ids)
+    got, want, orig = prefill_logits(int8, ids), prefill_logits(rounded, ids), prefill_logits(plain, ids)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
     assert not torch.allclose(got, orig, atol=1e-6)  # the weights really were rounded
 
@@ -158,27 +129,23 @@ def test_w8a8_model_kernel_equals_plain_torch(tmp_path, family):
     int8 = load_model(ModelConfig(model=str(tmp_path), dtype="float32", device="cpu", quantization="int8"))
     assert all(m.w8a8 for m in w8a8.model.modules() if isinstance(m, Int8Linear))
     ids = torch.randint(3, VOCAB, (37,))
-    got = _logits(w8a8, ids)
+    got = prefill_logits(w8a8, ids)
     plain_torch = load_model(ModelConfig(model=str(tmp_path), dtype="float32", device="cpu", quantization="w8a8",
                                          kernels="torch"))
     assert not any(m.kernels for m in plain_torch.model.modules() if isinstance(m, Int8Linear))
     # Float rounding differs between the paths, and now and then it moves an activation across a
     # rounding boundary of its int8 step; later layers carry that on, so the bound is looser
     # than one layer's (a wrong kernel is off by whole units).
-    torch.testing.assert_close(got, _logits(plain_torch, ids), atol=1e-2, rtol=1e-3)
+    torch.testing.assert_close(got, prefill_logits(plain_torch, ids), atol=1e-2, rtol=1e-3)
     # The activations really were rounded: close to weight-only int8, not equal to it.
-    weight_only = _logits(int8, ids)
+    weight_only = prefill_logits(int8, ids)
     assert not torch.allclose(got, weight_only, atol=1e-5)
     assert (got.softmax(-1) - weight_only.softmax(-1)).abs().max() < 0.05
 
 
 @pytest.mark.parametrize("quantization", ["int8", "w8a8"])
 def test_int8_engine_greedy_is_batch_independent(tmp_path, quantization):
-    save_tiny("gemma3", tmp_path)
-    llm = LLM(str(tmp_path), dtype="float32", device="cpu", quantization=quantization, max_num_batched_tokens=16)
-    together, alone = greedy_together_and_alone(llm)
-    assert together == alone
-    assert llm.engine.allocator.all_free()
+    assert_greedy_is_batch_independent(tmp_path, quantization)
 
 
 def test_quantization_is_validated():

@@ -34,8 +34,8 @@ from tandem.paths import default_cache_dir
 log = logging.getLogger("tandem.kernels")
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("int8_gemm.c", "cpu_ops.c", "decode_attention.c", "bf16_ops.c", "decode_attention_bf16.c",
-                 "threads.c")
+    for name in ("int8_gemm.c", "int4_gemm.c", "cpu_ops.c", "decode_attention.c", "bf16_ops.c",
+                 "decode_attention_bf16.c", "threads.c")
 )
 LIBRARY = "tandem_kernels"
 BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
@@ -120,6 +120,8 @@ _SIGNATURES = {
     "tandem_gemm_i8": ([_PTR, _PTR, _PTR, _PTR, _SIZE, _SIZE, _SIZE], None),
     "tandem_gemm_w8a8": ([_PTR, _PTR, _PTR, _PTR, _SIZE, _SIZE, _SIZE, _PTR, _PTR], None),
     "tandem_dequant_i8": ([_PTR, _PTR, _PTR, _SIZE, _SIZE, _SIZE], None),
+    "tandem_gemm_i4": ([_PTR, _PTR, _PTR, _PTR, _SIZE, _SIZE, _SIZE], None),
+    "tandem_dequant_i4": ([_PTR, _PTR, _PTR, _SIZE, _SIZE, _SIZE], None),
     "tandem_rms_norm": ([_PTR, _PTR, _PTR, _SIZE, _SIZE, _F32, _F32], None),
     "tandem_act_mul": ([_PTR, _PTR, _SIZE, _SIZE, _INT], None),
     "tandem_argmax_rows": ([_PTR, _PTR, _SIZE, _SIZE], None),
@@ -200,6 +202,13 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _check_int4(packed: torch.Tensor, scales: torch.Tensor, k: int) -> None:
+    groups = -(-k // 32)
+    if packed.shape[1] != 16 * groups or scales.shape != (packed.shape[0], groups) or scales.dtype != torch.float16:
+        raise ValueError(f"int4 weights for K={k}: packed [N, {16 * groups}] uint8 and scales [N, {groups}] "
+                         f"float16, got {tuple(packed.shape)} and {tuple(scales.shape)} {scales.dtype}")
+
+
 class Kernels:
     """One loaded variant of the library. Tensors are CPU tensors, contiguous, float32 unless
     said otherwise; outputs are allocated here unless passed in. ``rms_norm``, ``act_mul``,
@@ -260,6 +269,23 @@ class Kernels:
         """Rows ``n0 .. n1`` of ``scale[:, None] * weight`` into ``out[: n1 - n0]`` (float32)."""
         lib = self._lib()
         lib.tandem_dequant_i8(weight.data_ptr(), scale.data_ptr(), out.data_ptr(), n0, n1, weight.shape[1])
+        return out[: n1 - n0]
+
+    def gemm_i4(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """``x`` float32 [M, K] contiguous times int4 weights [N, K] -> [M, N]: ``packed`` uint8
+        [N, 16 G] and ``scales`` float16 [N, G], G = ceil(K / 32) (``tandem.models.quant_int4``)."""
+        m, k = x.shape
+        n = packed.shape[0]
+        _check_int4(packed, scales, k)
+        y = torch.empty(m, n, dtype=torch.float32)
+        self._lib().tandem_gemm_i4(x.data_ptr(), packed.data_ptr(), scales.data_ptr(), y.data_ptr(), m, n, k)
+        return y
+
+    def dequant_i4(self, packed: torch.Tensor, scales: torch.Tensor, k: int, out: torch.Tensor, n0: int,
+                   n1: int) -> torch.Tensor:
+        """Rows ``n0 .. n1`` of the int4 weight (``k`` input values) as float32 into ``out[: n1 - n0]``."""
+        _check_int4(packed, scales, k)
+        self._lib().tandem_dequant_i4(packed.data_ptr(), scales.data_ptr(), out.data_ptr(), n0, n1, k)
         return out[: n1 - n0]
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:

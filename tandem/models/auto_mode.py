@@ -51,7 +51,7 @@ class AccuracyBudget:
 ACCURACY_BUDGET = AccuracyBudget()
 ROWS = (1, 16, 256)
 """Rows per linear: a lone decode step, a batched decode step, a prefill chunk."""
-QUANTIZED = ("int8", "w8a8")
+QUANTIZED = ("int8", "w8a8", "int4")
 """The quantized modes auto may pick (each needs an entry in the accuracy file)."""
 
 
@@ -115,6 +115,7 @@ def _best_of(fn, repeats: int = 3) -> float:
 
 def _time_mode(mode: str, spec: ModelSpec, dtype: torch.dtype, ops: OpTable) -> dict[str, float]:
     from tandem.models.quant import Int8Linear
+    from tandem.models.quant_int4 import INT4_GROUP, Int4Linear
 
     head = (spec.vocab_size, spec.hidden_size)
     seconds = {}
@@ -124,6 +125,10 @@ def _time_mode(mode: str, spec: ModelSpec, dtype: torch.dtype, ops: OpTable) -> 
         if mode == "none":
             w = torch.empty(n, k, dtype=dtype).uniform_(-0.05, 0.05)
             modules[(n, k)] = lambda x, w=w: F.linear(x, w)
+        elif mode == "int4":
+            packed = torch.randint(0, 256, (n, -(-k // INT4_GROUP) * INT4_GROUP // 2), dtype=torch.uint8)
+            scales = torch.full((n, -(-k // INT4_GROUP)), 1e-3, dtype=torch.float16)
+            modules[(n, k)] = Int4Linear(packed, scales, k, None, kernels=ops.int4_kernels)
         else:
             q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
             lin = Int8Linear(q, torch.full((n,), 1e-3), None, w8a8=mode == "w8a8", kernels=ops.int8_kernels)

@@ -23,6 +23,8 @@ dequantize-and-matmul path.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,17 +33,28 @@ from torch import nn
 from tandem.kernels.native import Kernels
 from tandem.models.base import CausalLM
 
-# When the int8 kernel beats dequantize + BLAS (benchmarks/int8_kernel.py, docs/performance.md):
-# up to about 32 rows for the layers' weights, and up to 128 rows for a weight as large as the
-# output head, which no cache holds and which BLAS also reads from memory at these row counts.
-KERNEL_MAX_ROWS = 32
+
+@dataclass(frozen=True)
+class KernelRows:
+    """Up to how many input rows a weight format's kernel beats dequantize + BLAS: ``layers`` for
+    the layers' weights, ``large`` for a weight of at least ``LARGE_WEIGHT_ELEMENTS`` (the output
+    head), which no cache holds and which BLAS also reads from memory at these row counts."""
+
+    layers: int
+    large: int
+
+
 LARGE_WEIGHT_ELEMENTS = 1 << 26
-LARGE_WEIGHT_MAX_ROWS = 128
+# Where the int8 kernel stops beating dequantize + BLAS (benchmarks/int8_kernel.py,
+# docs/performance.md).
+INT8_ROWS = KernelRows(layers=32, large=128)
 # Weights dequantized per BLAS call on the large-batch path (16 MiB in float32).
 DEQUANT_ELEMENTS = 1 << 22
 # Activation values sharing one scale in w8a8 (the kernel's QBLOCK).
 QBLOCK = 32
 
+Dequant = Callable[[int, int, "torch.Tensor | None"], torch.Tensor]
+"""``dequant(n0, n1, buf)``: weight rows n0 .. n1 in float32, written into ``buf`` when given."""
 
 _local = threading.local()
 
@@ -55,10 +68,28 @@ def _scratch(elements: int) -> torch.Tensor:
     return buf[:elements]
 
 
-def use_kernel(rows: int, weight_elements: int) -> bool:
-    if rows <= KERNEL_MAX_ROWS:
+def use_kernel(rows: int, weight_elements: int, limits: KernelRows = INT8_ROWS) -> bool:
+    if rows <= limits.layers:
         return True
-    return weight_elements >= LARGE_WEIGHT_ELEMENTS and rows <= LARGE_WEIGHT_MAX_ROWS
+    return weight_elements >= LARGE_WEIGHT_ELEMENTS and rows <= limits.large
+
+
+def quantized_matmul(x2: torch.Tensor, n: int, kernel: Callable[[torch.Tensor], torch.Tensor] | None,
+                     dequant: Dequant, limits: KernelRows | None) -> torch.Tensor:
+    """``x2`` float32 [M, K] times a quantized weight [N, K] -> [M, N]. With a C ``kernel`` (None:
+    plain torch, and then no ``limits``) and at most ``limits`` rows, the kernel; else blocks of whole weight rows,
+    dequantized by ``dequant`` (into a reused float32 buffer when the kernels run, else by torch),
+    each multiplied by BLAS into contiguous rows of the transposed result."""
+    m, k = x2.shape
+    if kernel is not None and use_kernel(m, n * k, limits):
+        return kernel(x2)
+    y_t = torch.empty(n, m, dtype=torch.float32, device=x2.device)
+    step = max(1, DEQUANT_ELEMENTS // k)
+    buf = _scratch(min(step, n) * k).view(-1, k) if kernel is not None else None
+    for n0 in range(0, n, step):
+        n1 = min(n, n0 + step)
+        torch.mm(dequant(n0, n1, buf), x2.t(), out=y_t[n0:n1])
+    return y_t.t()
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,28 +121,44 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, w8a
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
     n, k = qweight.shape
-    native_ok = kernels is not None
     if w8a8:
-        if native_ok and k % QBLOCK == 0:
+        if kernels is not None and k % QBLOCK == 0:
             return kernels.gemm_w8a8(x2, qweight, scale).reshape(*lead, n)
         x2 = quantize_activations(x2)
-    if native_ok and use_kernel(x2.shape[0], n * k):
-        return kernels.gemm_i8(x2, qweight, scale).reshape(*lead, n)
-    # Blocks of whole weight rows, written to contiguous rows of the transposed result.
-    y_t = torch.empty(n, x2.shape[0], dtype=torch.float32, device=x2.device)
-    step = max(1, DEQUANT_ELEMENTS // k)
-    buf = _scratch(min(step, n) * k).view(-1, k) if native_ok else None
-    for n0 in range(0, n, step):
-        n1 = min(n, n0 + step)
-        if native_ok:
-            w = kernels.dequant_i8(qweight, scale, buf, n0, n1)
-        else:
-            w = qweight[n0:n1].float() * scale[n0:n1, None]
-        torch.mm(w, x2.t(), out=y_t[n0:n1])
-    return y_t.t().reshape(*lead, n)
+
+    def dequant(n0: int, n1: int, buf: torch.Tensor | None) -> torch.Tensor:
+        if buf is not None:
+            return kernels.dequant_i8(qweight, scale, buf, n0, n1)
+        return qweight[n0:n1].float() * scale[n0:n1, None]
+
+    kernel = None if kernels is None else (lambda x2: kernels.gemm_i8(x2, qweight, scale))
+    return quantized_matmul(x2, n, kernel, dequant, INT8_ROWS).reshape(*lead, n)
 
 
-class Int8Linear(nn.Module):
+class QuantLinear(nn.Module):
+    """What the quantized linear layers share: the bias, and the output in the input's dtype.
+    Subclasses hold the weight and give ``matmul(x)`` (float32 [..., N]) and ``rows(ids)`` (the
+    dequantized weight rows ``ids``, float32, for an embedding lookup from a tied table)."""
+
+    def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = out_features, in_features
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype)
+
+
+class Int8Linear(QuantLinear):
     """Drop-in for ``nn.Linear`` with int8 weights; output in the input's dtype. ``w8a8`` also
     rounds the inputs to int8 (see the module docstring)."""
 
@@ -119,53 +166,60 @@ class Int8Linear(nn.Module):
         self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, w8a8: bool = False,
         kernels: Kernels | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(*qweight.shape, bias)
         self.w8a8 = w8a8
         self.kernels = kernels
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.out_features, self.in_features = qweight.shape
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, w8a8: bool = False, kernels: Kernels | None = None) -> "Int8Linear":
         return cls(*quantize_rows(linear.weight), linear.bias, w8a8, kernels)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = int8_matmul(x, self.qweight, self.scale, self.w8a8, self.kernels)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.to(x.dtype)
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_matmul(x, self.qweight, self.scale, self.w8a8, self.kernels)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.qweight[ids].float() * self.scale[ids, None]
 
     def extra_repr(self) -> str:
         mode = "w8a8" if self.w8a8 else "int8 weights"
         return f"in_features={self.in_features}, out_features={self.out_features}, {mode}"
 
 
-class Int8Embedding(nn.Module):
-    """Embedding lookup from an int8 table (shared with a tied ``Int8Linear`` output head)."""
+class QuantEmbedding(nn.Module):
+    """Embedding lookup from a quantized table shared with the tied output head: each lookup
+    dequantizes only the rows it needs (``QuantLinear.rows``)."""
 
-    def __init__(self, head: Int8Linear, dtype: torch.dtype) -> None:
+    def __init__(self, head: QuantLinear, dtype: torch.dtype) -> None:
         super().__init__()
         self._head = [head]  # not a submodule: the head owns the buffers
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        head = self._head[0]
-        return (head.qweight[ids].float() * head.scale[ids, None]).to(self.dtype)
+        return self._head[0].rows(ids).to(self.dtype)
+
+
+def quantize_model(model: CausalLM,
+                   make: Callable[[torch.Tensor, "torch.Tensor | None", str], QuantLinear]) -> CausalLM:
+    """Replace every ``nn.Linear`` in place by ``make(weight, bias, name)``; with tied embeddings,
+    the table becomes the output head ``make(table, None, "lm_head")`` and the embedding looks its
+    rows up there (one quantized table for both). Returns ``model``."""
+    for prefix, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                name = f"{prefix}.{child_name}" if prefix else child_name
+                setattr(module, child_name, make(child.weight, child.bias, name))
+    if model.lm_head is None:  # tied: an untied head was an nn.Linear, quantized above
+        table = model.model.embed_tokens.weight
+        model.lm_head = make(table, None, "lm_head")
+        model.model.embed_tokens = QuantEmbedding(model.lm_head, table.dtype)
+    return model
 
 
 def quantize_model_int8(model: CausalLM, w8a8: bool = False) -> CausalLM:
-    """Replace every ``nn.Linear`` in place; with tied embeddings, one int8 table then serves both
-    the lookup and the output head. ``w8a8``: every layer also rounds its inputs to int8. The
-    matmuls use the C kernels when the model's op table says so. Returns ``model``."""
+    """Every linear layer and the tied table as int8 (``quantize_model``); ``w8a8``: every layer
+    also rounds its inputs to int8. The matmuls use the C kernels when the model's op table says
+    so. Returns ``model``."""
     kernels = model.ops.int8_kernels
-    for module in list(model.modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, child_name, Int8Linear.from_linear(child, w8a8, kernels))
-    if model.lm_head is None:  # tied: an untied head was an nn.Linear, quantized above
-        table = model.model.embed_tokens.weight
-        model.lm_head = Int8Linear(*quantize_rows(table), None, w8a8, kernels)
-        model.model.embed_tokens = Int8Embedding(model.lm_head, table.dtype)
-    return model
+    return quantize_model(model, lambda w, bias, name: Int8Linear(*quantize_rows(w), bias, w8a8, kernels))

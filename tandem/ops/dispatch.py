@@ -56,6 +56,8 @@ class OpTable:
     argmax_rows: Callable[[torch.Tensor], torch.Tensor]
     int8_kernels: native.Kernels | None
     """The C kernels int8 matmuls use; None: dequantize + torch matmul."""
+    int4_kernels: native.Kernels | None
+    """The same for int4 matmuls."""
     act_mul_kernels: native.Kernels | None
     choices: dict[str, Choice] = field(default_factory=dict)
 
@@ -115,6 +117,7 @@ def select_ops(
              _FUSED_DTYPES.get(dtype, ""))
     pick("argmax", cpu_lib, why_not)  # logits are float32 whatever the model's dtype
     pick("int8_matmul", cpu_lib, why_not)
+    pick("int4_matmul", cpu_lib, why_not)
     unknown = disable - set(choices)
     if unknown:
         raise ValueError(f"disable: unknown ops {', '.join(sorted(unknown))}; known: {', '.join(choices)}")
@@ -127,6 +130,7 @@ def select_ops(
         decode_attention=lib.decode_attention if use["decode_attention"] else None,
         argmax_rows=fused["argmax_rows"] if use["argmax"] else reference.argmax_rows,
         int8_kernels=lib if use["int8_matmul"] else None,
+        int4_kernels=lib if use["int4_matmul"] else None,
         act_mul_kernels=lib if use["act_mul"] else None,
         choices=choices,
     )
