@@ -166,7 +166,8 @@ def load_model(config: ModelConfig, ops: OpTable | None = None) -> LoadedModel:
     quantization, auto = config.quantization, None
     if quantization == "auto":
         probe = ops or select_ops(device, torch.float32, config.kernels)
-        model_file = path.name if config.model is None else None  # accuracy is measured on the default only
+        # accuracy was measured on the default model's file: the same GGUF file, by name, is eligible
+        model_file = path.name if path.suffix == ".gguf" else None
         auto = choose_quantization(spec, device, dtype, probe, model_file, cache_dir or default_cache_dir())
         quantization = auto.quantization
         log.info("quantization auto -> %s: %s", quantization, auto.reason)
