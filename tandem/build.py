@@ -26,6 +26,7 @@ from tandem.models.quant_int4 import quantize_model_int4
 from tandem.models.registry import build_model
 from tandem.models.spec import ModelSpec
 from tandem.ops.dispatch import OpTable, select_ops
+from tandem.ops.modes import describe_paths
 from tandem.paths import default_cache_dir
 from tandem.runner.runner import ModelRunner, kv_bytes_per_block
 from tandem.tokenizer import Tokenizer
@@ -113,11 +114,7 @@ class LoadedModel:
 
     def paths_line(self) -> str:
         """``paths()`` in one line for the start-up log."""
-        p = self.paths()
-        kernels = sorted({impl for impl in p["ops"].values() if impl.startswith("native")}) or ["torch only"]
-        cpu = p["cpu"]["model"] + " [" + " ".join(p["cpu"]["features"]) + "]" if p["cpu"] else p["device"]
-        return (f"{cpu}; kernels {', '.join(kernels)}; {p['dtype']} activations; weights {p['quantization']} "
-                f"({p['quantization_reason']})")
+        return describe_paths(self.paths())
 
     @property
     def weight_bytes(self) -> float:
@@ -163,7 +160,7 @@ def load_model(config: ModelConfig, ops: OpTable | None = None) -> LoadedModel:
         raise ValueError(
             f"max_model_len: {max_len} exceeds the model's {spec.max_position_embeddings} positions"
         )
-    quantization, auto = config.quantization, None
+    quantization, auto, probe = config.quantization, None, None
     if quantization == "auto":
         probe = ops or select_ops(device, torch.float32, config.kernels)
         # accuracy was measured on the default model's file: the same GGUF file, by name, is eligible
@@ -175,7 +172,8 @@ def load_model(config: ModelConfig, ops: OpTable | None = None) -> LoadedModel:
         raise ValueError(f"quantization: {quantization!r} runs on the CPU only, not on {device.type}")
     if quantization != "none" and config.dtype == "auto":
         dtype = torch.float32  # the int8 kernels take float32 activations
-    ops = ops or select_ops(device, dtype, config.kernels)
+    if ops is None:  # the float32 table auto timed with serves a float32 model as it is
+        ops = probe if probe is not None and dtype == torch.float32 else select_ops(device, dtype, config.kernels)
     model = _instantiate(spec, max_len, device, dtype, ops)
     load_weights(model, iter_safetensors(weights_dir))
     if quantization != "none":

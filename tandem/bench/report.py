@@ -19,6 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from tandem.bench.client import RequestResult  # noqa: E402
 from tandem.bench.replay import RunData  # noqa: E402
+from tandem.ops.modes import describe_paths  # noqa: E402
 
 PLOTS = ("latency_cdf.png", "throughput_queue.png", "token_timeline.png")
 
@@ -125,10 +126,7 @@ def markdown(summary: dict, classes: dict[str, dict], meta: dict) -> str:
     lines += [f"- target: `{meta.get('target')}`", f"- workload: {meta.get('workload_line')}"]
     paths = meta.get("paths")
     if paths:
-        cpu = (paths.get("cpu") or {}).get("model", paths.get("device"))
-        kernels = sorted({v for v in paths.get("ops", {}).values() if v.startswith("native")}) or ["torch"]
-        lines.append(f"- engine paths: {cpu}; {', '.join(kernels)}; {paths.get('dtype')} activations; "
-                     f"weights {paths.get('quantization')}")
+        lines.append(f"- engine paths: {describe_paths(paths, reason=False)}")
     if meta.get("load_generator_cpu"):
         lines.append(f"- load generator CPU: {meta['load_generator_cpu']}")
     lines.append("")
