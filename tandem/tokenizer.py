@@ -23,14 +23,22 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
-        if self.add_bos_token and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``add_special_tokens``: prepend BOS where the model wants one."""
+        # the batch call releases the GIL (the single one holds it), so a long prompt tokenized in
+        # a worker thread does not stall the server's event loop
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None and (
+                not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id] + ids
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_long(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """``decode`` without holding the GIL (worth it for many ids, in a worker thread)."""
+        return self.backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
