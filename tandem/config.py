@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from tandem.core.policies import POLICY_REGISTRY
 from tandem.ops.modes import KERNEL_MODES
@@ -228,12 +228,26 @@ class ServerConfig:
     )
     api_key: str | None = field(
         default=None,
-        metadata=_help("require 'Authorization: Bearer KEY' on /v1 routes (or set TANDEM_API_KEY)"),
+        metadata=_help("require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and /detokenize "
+                       "(or set TANDEM_API_KEY)"),
+    )
+    allowed_hosts: Sequence[str] = field(
+        default=(),
+        metadata=_help(
+            "a Host header name to accept, any port (repeatable; '*' accepts any); default: only "
+            "localhost, 127.0.0.1 and [::1] when --host is a loopback address (against DNS rebinding), "
+            "any when bound elsewhere; other hosts get 400",
+            action="append",
+        ),
     )
     max_waiting: int = field(
         default=256, metadata=_help("bound of the waiting queue; beyond it requests get 429 with Retry-After")
     )
     max_request_bytes: int = field(default=1 << 20, metadata=_help("largest accepted request body (413 beyond)"))
+    tokenizer_threads: int = field(
+        default=2,
+        metadata=_help("worker threads that tokenize prompts, render chat and detokenize, off the event loop"),
+    )
     trace: str | None = field(
         default=None, metadata=_help("write the step timeline as Chrome trace JSON to this file on shutdown")
     )
@@ -249,6 +263,10 @@ class ServerConfig:
             raise ValueError(f"port: must be in [0, 65535], got {self.port!r}")
         _positive_int("max_waiting", self.max_waiting)
         _positive_int("max_request_bytes", self.max_request_bytes)
+        _positive_int("tokenizer_threads", self.tokenizer_threads)
+        for host in self.allowed_hosts:
+            if not isinstance(host, str) or not host.strip():
+                raise ValueError(f"allowed_hosts: each must be a non-empty host name, got {host!r}")
         for name in ("peak_flops", "peak_memory_bandwidth"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or value <= 0):
