@@ -40,7 +40,7 @@ def test_engine_fault_is_contained(state):
         app = create_app(state)
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as c:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=30) as c:
                 assert (await c.get("/health")).json()["status"] == "ok"
                 good = c.post("/v1/completions", json={"prompt": "w5 w6", "max_tokens": 5, "ignore_eos": True})
                 bad = c.post("/v1/completions", json={"prompt": [1, POISON], "max_tokens": 5})

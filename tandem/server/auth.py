@@ -1,4 +1,5 @@
-"""Bearer-key check for the /v1 routes, as plain ASGI middleware."""
+"""Bearer-key check for the /v1 routes and /tokenize, /detokenize (which cost CPU and reveal the
+vocabulary), as plain ASGI middleware."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from tandem.server.state import ServerState
 
 class BearerAuth:
     """Plain ASGI middleware (not BaseHTTPMiddleware, which hides client disconnects from the
-    routes): every /v1 route needs ``Authorization: Bearer <key>``."""
+    routes): every guarded route needs ``Authorization: Bearer <key>``."""
 
     def __init__(self, app, state: ServerState) -> None:
         self.app = app
@@ -20,7 +21,7 @@ class BearerAuth:
         self.expected = f"Bearer {state.api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and _guarded(scope["path"]):
             auth = dict(scope["headers"]).get(b"authorization", b"")
             # constant time, so response timing does not leak how much of a guessed key was right
             if not hmac.compare_digest(auth, self.expected):
@@ -30,3 +31,7 @@ class BearerAuth:
                 await JSONResponse(err.body(), status_code=401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _guarded(path: str) -> bool:
+    return path.startswith("/v1") or path in ("/tokenize", "/detokenize")

@@ -4,7 +4,6 @@ them, submitting all or none, and merging their output queues back into one stre
 from __future__ import annotations
 
 import asyncio
-import uuid
 from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
@@ -23,12 +22,15 @@ class Job:
     index: int  # choice index
     prompt_index: int
     request: EngineRequest
+    response_id: str = ""
+    """The ``id`` the client sees (``cmpl-…``); the engine request id and the trace track carry it."""
 
 
 def make_jobs(state: ServerState, prompts: list, params: SamplingParams, n: int, priority: int, arrival: float,
-              default_max: bool, explicit_max: bool) -> list[Job]:
+              default_max: bool, explicit_max: bool, response_id: str) -> list[Job]:
+    """Tokenizes every prompt: call it off the event loop (``tandem.server.offload``)."""
     engine = state.engine
-    base = uuid.uuid4().hex[:16]
+    single = len(prompts) * n == 1
     jobs: list[Job] = []
     for pi, prompt in enumerate(prompts):
         if isinstance(prompt, list) and not all(isinstance(t, int) for t in prompt):
@@ -38,8 +40,9 @@ def make_jobs(state: ServerState, prompts: list, params: SamplingParams, n: int,
             if params.seed is not None and j:
                 p = replace(params, seed=params.seed + j)
             try:
-                request = engine.make_request(prompt, p, request_id=f"{base}-{pi}-{j}", arrival_time=arrival,
-                                              priority=priority)
+                # one job is the response itself; several are told apart by their choice index
+                rid = response_id if single else f"{response_id}-{len(jobs)}"
+                request = engine.make_request(prompt, p, request_id=rid, arrival_time=arrival, priority=priority)
             except ValueError as exc:
                 raise from_value_error(exc) from None
             room = engine.max_model_len - request.num_prompt_tokens
@@ -52,7 +55,7 @@ def make_jobs(state: ServerState, prompts: list, params: SamplingParams, n: int,
                     f"({request.params.max_tokens}) exceeds the context length of {engine.max_model_len} tokens",
                     param,
                 )
-            jobs.append(Job(len(jobs), pi, request))
+            jobs.append(Job(len(jobs), pi, request, response_id))
     ae = state.async_engine
     if ae.num_waiting() + len(jobs) > ae.max_waiting:
         state.metrics.reject("queue_full")

@@ -171,6 +171,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # false: no BOS is prepended
 
 
 class DetokenizeRequest(BaseModel):

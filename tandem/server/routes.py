@@ -16,8 +16,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tandem
 from tandem.server.auth import BearerAuth
+from tandem.server.browser import BrowserGuard
 from tandem.server.chat import ROLES
 from tandem.server.fanout import Job, collect, make_jobs, merged_outputs, submit
+from tandem.server.middleware import ErrorGuard
+from tandem.server.offload import off_loop, shutdown as shutdown_offload
 from tandem.server.openai_format import full_response, response_id, sse_stream
 from tandem.server.protocol import (
     APIError,
@@ -43,6 +46,7 @@ def create_app(state: ServerState) -> FastAPI:
             yield
         finally:
             state.async_engine.stop()
+            shutdown_offload(state)
             if state.tracer is not None:
                 path = state.tracer.write()
                 log.info("trace written to %s", path)
@@ -59,13 +63,12 @@ def create_app(state: ServerState) -> FastAPI:
         err = APIError(exc.status_code, str(exc.detail), type_="not_found_error" if exc.status_code == 404 else None)
         return JSONResponse(err.body(), status_code=exc.status_code)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        log.exception("unhandled error")
-        return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body(), status_code=500)
-
+    # the last added runs first: ErrorGuard wraps everything (anything else raising is a 500 that
+    # keeps the connection), then the browser checks, then the key
     if state.api_key:
         app.add_middleware(BearerAuth, state=state)
+    app.add_middleware(BrowserGuard, bind_host=state.config.host, allowed_hosts=state.config.allowed_hosts)
+    app.add_middleware(ErrorGuard)
 
     # --- plain routes -----------------------------------------------------------------------------
     @app.get("/health")
@@ -87,7 +90,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def config():
         """The engine and server settings, so a benchmark can record what it ran against."""
         server = {k: v for k, v in dataclasses.asdict(state.config).items() if k != "api_key"}
-        return {"engine": state.engine_config.flat(), "server": server, "model": state.model_name,
+        engine, requested = _resolved_engine(state)
+        return {"engine": engine, "requested": requested, "server": server, "model": state.model_name,
                 "num_kv_blocks": state.engine.allocator.num_blocks, "max_model_len": state.engine.max_model_len,
                 "paths": state.paths}
 
@@ -95,7 +99,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def models():
         return {"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": state.created, "owned_by": "tandem",
-            "max_model_len": state.engine.max_model_len,
+            "root": state.model_name, "parent": None, "max_model_len": state.engine.max_model_len,
         }]}
 
     @app.get("/metrics")
@@ -110,9 +114,13 @@ def create_app(state: ServerState) -> FastAPI:
         _check_model(state, req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("prompt: give exactly one of prompt or messages", "prompt")
-        text = req.prompt if req.prompt is not None else _render_chat(state, req.messages)
-        ids = state.tokenizer.encode(text)
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len}
+        if req.prompt is not None:
+            text = req.prompt
+        else:
+            text = await off_loop(state, _render_chat, state, req.messages)
+        ids = await off_loop(state, state.tokenizer.encode, text, add_special_tokens=req.add_special_tokens)
+        # JSONResponse directly: FastAPI's encoder walks a long id list in Python, on the event loop
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len})
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
@@ -122,7 +130,7 @@ def create_app(state: ServerState) -> FastAPI:
         for i, t in enumerate(req.tokens):
             if not 0 <= t < vocab:
                 raise bad_request(f"tokens[{i}]: must be in [0, {vocab}), got {t}", f"tokens[{i}]")
-        return {"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        return {"prompt": await off_loop(state, state.tokenizer.decode_long, req.tokens, skip_special_tokens=False)}
 
     # --- generation --------------------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -132,8 +140,9 @@ def create_app(state: ServerState) -> FastAPI:
         _check_model(state, req.model)
         params = req.sampling_params()  # SamplingParams' defaults are OpenAI's
         prompts = req.prompts()
-        jobs = make_jobs(state, prompts, params, req.n, req.priority, arrival, default_max=False,
-                         explicit_max=req.max_tokens is not None)
+        jobs = await off_loop(state, make_jobs, state, prompts, params, req.n, req.priority, arrival,
+                              default_max=False, explicit_max=req.max_tokens is not None,
+                              response_id=response_id(chat=False))
         return await _respond(state, request, jobs, req, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -143,10 +152,10 @@ def create_app(state: ServerState) -> FastAPI:
         _check_model(state, req.model)
         # chat's default max_tokens: the room left in the context (see core/sampling_params.py)
         params = req.sampling_params(state.engine.max_model_len)
-        text = _render_chat(state, req.messages, req)
+        text = await off_loop(state, _render_chat, state, req.messages, req)
         explicit = req.max_tokens is not None or req.max_completion_tokens is not None
-        jobs = make_jobs(state, [text], params, req.n, req.priority, arrival, default_max=not explicit,
-                         explicit_max=explicit)
+        jobs = await off_loop(state, make_jobs, state, [text], params, req.n, req.priority, arrival,
+                              default_max=not explicit, explicit_max=explicit, response_id=response_id(chat=True))
         return await _respond(state, request, jobs, req, chat=True)
 
     return app
@@ -182,6 +191,17 @@ def _check_model(state: ServerState, model: str | None) -> None:
                        param="model", code="model_not_found")
 
 
+def _resolved_engine(state: ServerState) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The engine settings as they run ('auto' and unset values replaced by what was chosen), and
+    the requested values of those that changed."""
+    engine = state.engine_config.flat()
+    resolved = {k: state.paths.get(k, engine[k]) for k in ("device", "dtype", "quantization")}
+    resolved.update(max_model_len=state.engine.max_model_len, num_kv_blocks=state.engine.allocator.num_blocks)
+    requested = {k: engine[k] for k, v in resolved.items() if engine[k] != v}
+    engine.update(resolved)
+    return engine, requested
+
+
 def _render_chat(state: ServerState, messages, req: ChatCompletionRequest | None = None) -> str:
     holder = req if req is not None else ChatCompletionRequest(messages=messages)
     return state.chat.render(holder.plain_messages(ROLES))
@@ -189,7 +209,7 @@ def _render_chat(state: ServerState, messages, req: ChatCompletionRequest | None
 
 async def _respond(state: ServerState, request: Request, jobs: list[Job], req, chat: bool):
     created = unix_time()
-    rid = response_id(chat)
+    rid = jobs[0].response_id
     queues = submit(state, jobs)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
