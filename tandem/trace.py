@@ -1,10 +1,13 @@
 """The step timeline as a Chrome trace (JSON; opens in Perfetto or chrome://tracing).
 
 Process "engine" has one track of steps, each labelled with its prefill/decode token mix, and
-counter tracks for KV usage and queue lengths. Process "requests" has one track per request:
-a "queued" span from arrival to first scheduling, then one span per step that carried the
-request — "prefill" chunks with their token counts, then "decode" — so a long prompt's chunks
-can be seen riding along with other requests' decode steps.
+counter tracks for KV usage and queue lengths. Process "requests" has one track per request,
+named by its request id (for the server, the ``cmpl-…``/``chatcmpl-…`` id the client sees, with
+``-<choice>`` when one response has several): a "request" span from arrival to the end of its
+last step, holding a "queued" span from arrival to its first step, then one span per step that
+carried the request — "prefill" chunks with their token counts, then "decode" — so a long
+prompt's chunks can be seen riding along with other requests' decode steps. Spans on a track
+nest or follow each other, never overlap, as Perfetto requires.
 """
 
 from __future__ import annotations
@@ -22,8 +25,15 @@ _ENGINE_PID, _REQUESTS_PID = 1, 2
 MAX_EVENTS = 2_000_000  # ~ a few hundred MB of JSON; recording stops (with a warning) beyond it
 
 
-def _us(seconds: float) -> float:
-    return round(seconds * 1e6, 1)
+def _us(seconds: float) -> int:
+    return round(seconds * 1e6)
+
+
+def _span(start: float, end: float) -> dict:
+    """ts and dur in whole microseconds, from rounded ends: spans that nest in seconds nest here
+    too (fractions would not survive the float sums of the reader)."""
+    ts = _us(start)
+    return {"ts": ts, "dur": max(_us(end) - ts, 0)}
 
 
 class TraceRecorder:
@@ -31,6 +41,8 @@ class TraceRecorder:
         self.path = Path(path)
         self._lock = threading.Lock()
         self._tids: dict[str, int] = {}
+        # request id -> (start of its first step, end of its last step), until it finishes
+        self._steps_of: dict[str, tuple[float, float]] = {}
         self._full = False
         self.events: list[dict] = [
             {"ph": "M", "pid": _ENGINE_PID, "name": "process_name", "args": {"name": "engine"}},
@@ -59,9 +71,10 @@ class TraceRecorder:
         with self._lock:
             if not self._room():
                 return
-            ts, dur = _us(s.start), _us(s.duration)
+            span = _span(s.start, s.start + s.duration)
+            ts = span["ts"]
             self.events.append({
-                "ph": "X", "pid": _ENGINE_PID, "tid": 0, "ts": ts, "dur": dur,
+                "ph": "X", "pid": _ENGINE_PID, "tid": 0, **span,
                 "name": f"{s.kind} P{s.num_prefill_tokens} D{s.num_decode_tokens}",
                 "args": {
                     "step": s.step_id, "kind": s.kind, "prefill_tokens": s.num_prefill_tokens,
@@ -74,9 +87,11 @@ class TraceRecorder:
             self.events.append({"ph": "C", "pid": _ENGINE_PID, "ts": ts, "name": "requests",
                                 "args": {"running": s.num_running, "waiting": s.num_waiting}})
             for c in s.chunks:
+                first, _ = self._steps_of.get(c.request_id, (s.start, 0.0))
+                self._steps_of[c.request_id] = (first, s.start + s.duration)
                 name = "decode" if c.is_decode else f"prefill {c.num_tokens} tok"
                 self.events.append({
-                    "ph": "X", "pid": _REQUESTS_PID, "tid": self._tid(c.request_id), "ts": ts, "dur": dur,
+                    "ph": "X", "pid": _REQUESTS_PID, "tid": self._tid(c.request_id), **span,
                     "name": name, "args": {"step": s.step_id, "positions": [c.start, c.start + c.num_tokens]},
                 })
 
@@ -86,9 +101,15 @@ class TraceRecorder:
             if not self._room():
                 return
             tid = self._tid(out.request_id)
-            if t.first_scheduled is not None:
-                self.events.append({"ph": "X", "pid": _REQUESTS_PID, "tid": tid, "ts": _us(t.arrival),
-                                    "dur": _us(t.first_scheduled - t.arrival), "name": "queued"})
+            steps = self._steps_of.pop(out.request_id, None)
+            # the scheduler stamps first_scheduled inside the step that first carried the request,
+            # after the step began: the queue ends where that step starts
+            end_of_queue = steps[0] if steps is not None else (t.finish if t.finish is not None else t.arrival)
+            end = max(steps[1] if steps is not None else end_of_queue, t.finish or end_of_queue)
+            self.events.append({"ph": "X", "pid": _REQUESTS_PID, "tid": tid, **_span(t.arrival, end),
+                                "name": "request", "args": {"finish_reason": out.finish_reason}})
+            self.events.append({"ph": "X", "pid": _REQUESTS_PID, "tid": tid, **_span(t.arrival, end_of_queue),
+                                "name": "queued"})
             if t.finish is not None:
                 self.events.append({"ph": "i", "pid": _REQUESTS_PID, "tid": tid, "ts": _us(t.finish), "s": "t",
                                     "name": f"finish: {out.finish_reason}",
@@ -96,7 +117,10 @@ class TraceRecorder:
 
     def write(self) -> Path:
         with self._lock:
-            data = {"traceEvents": list(self.events), "displayTimeUnit": "ms"}
+            # metadata first, then each track in time order, an enclosing span before what it holds
+            events = sorted(self.events, key=lambda e: (e["ph"] != "M", e["pid"], e.get("tid", -1),
+                                                        e.get("ts", 0.0), -e.get("dur", 0.0)))
+            data = {"traceEvents": events, "displayTimeUnit": "ms"}
         tmp = self.path.with_suffix(self.path.suffix + ".tmp")
         tmp.write_text(json.dumps(data))
         tmp.replace(self.path)
