@@ -126,7 +126,11 @@ def _run_bench(args: argparse.Namespace) -> int:
     engine_config = (engine_config_from_args(args, model=cfg.model, seed=cfg.seed)
                      if cfg.backend == "inprocess" else None)
     out = run_bench(cfg, engine_config)
-    return _print_report(Path(cfg.result_dir, "sweep.md" if cfg.sweep else "summary.md"), out["paths"])
+    code = _print_report(Path(cfg.result_dir, "sweep.md" if cfg.sweep else "summary.md"), out["paths"])
+    if out["failure"]:
+        print(f"tandem bench: {out['failure']}", file=sys.stderr)
+        return 1
+    return code
 
 
 def _print_report(markdown: Path, paths: list[str]) -> int:

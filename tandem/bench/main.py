@@ -177,8 +177,17 @@ def run_bench(cfg: BenchConfig, engine_config: EngineConfig | None = None) -> di
     if not cfg.sweep:
         data, summary, classes, meta = run_once(cfg, w, engine_config)
         paths = write_report(out_dir, data, summary, classes, meta)
-        return {"summary": summary, "paths": [str(p) for p in paths]}
+        return {"summary": summary, "paths": [str(p) for p in paths], "failure": all_failed(data.results)}
     return _sweep(cfg, w, engine_config, out_dir)
+
+
+def all_failed(results) -> str | None:
+    """A message when no request succeeded (the run measured nothing; the CLI then exits 1)."""
+    if any(r.success for r in results):
+        return None
+    errors = [r.error for r in results if r.error]
+    first = f"; the first error: {errors[0]}" if errors else ""
+    return f"every one of the {len(results)} requests failed{first}"
 
 
 def _sweep(cfg: BenchConfig, w: Workload, engine_config: EngineConfig | None, out_dir: Path) -> dict:
@@ -190,7 +199,7 @@ def _sweep(cfg: BenchConfig, w: Workload, engine_config: EngineConfig | None, ou
         engine, _ = build_engine(engine_config or EngineConfig())
     if cfg.backend != "inprocess" or cfg.tokenizer:
         tokenizer = load_tokenizer(cfg.tokenizer)
-    levels, rows = [], []
+    levels, rows, failures = [], [], []
     c = 1
     while c <= cfg.sweep_max_concurrency:
         levels.append(c)
@@ -198,6 +207,7 @@ def _sweep(cfg: BenchConfig, w: Workload, engine_config: EngineConfig | None, ou
         data, summary, classes, meta = run_once(replace(cfg, label=f"concurrency {c}"), wl, engine_config,
                                                 tokenizer, engine)
         write_report(out_dir / f"concurrency_{c}", data, summary, classes, meta)
+        failures.append(all_failed(data.results))
         rows.append({"concurrency": c, **{k: summary.get(k) for k in (
             "completed", "failed", "output_throughput", "request_throughput", "median_ttft_ms", "p99_ttft_ms",
             "median_itl_ms", "p99_itl_ms", "median_tpot_ms", "p99_tpot_ms")}})
@@ -225,7 +235,8 @@ def _sweep(cfg: BenchConfig, w: Workload, engine_config: EngineConfig | None, ou
                  else "Did not saturate within --sweep-max-concurrency.")
     (out_dir / "sweep.md").write_text("\n".join(lines) + "\n")
     return {"summary": result, "paths": [str(out_dir / "sweep.json"), str(out_dir / "sweep.md"),
-                                         str(out_dir / "sweep.png")]}
+                                         str(out_dir / "sweep.png")],
+            "failure": failures[0] if all(failures) else None}
 
 
 def _plot_sweep(rows: list[dict], path: Path) -> None:
