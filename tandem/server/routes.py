@@ -19,6 +19,7 @@ from tandem.server.auth import BearerAuth
 from tandem.server.chat import ROLES
 from tandem.server.fanout import Job, collect, make_jobs, merged_outputs, submit
 from tandem.server.openai_format import full_response, response_id, sse_stream
+from tandem.server.openapi import request_body
 from tandem.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -104,7 +105,7 @@ def create_app(state: ServerState) -> FastAPI:
         body = state.metrics.render(ae.engine.num_running, ae.num_waiting(), ae.engine.allocator.usage)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
     async def tokenize(request: Request):
         req = validate(TokenizeRequest, await _read_json(request, state.config.max_request_bytes))
         _check_model(state, req.model)
@@ -114,7 +115,7 @@ def create_app(state: ServerState) -> FastAPI:
         ids = state.tokenizer.encode(text)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
     async def detokenize(request: Request):
         req = validate(DetokenizeRequest, await _read_json(request, state.config.max_request_bytes))
         _check_model(state, req.model)
@@ -125,7 +126,7 @@ def create_app(state: ServerState) -> FastAPI:
         return {"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     # --- generation --------------------------------------------------------------------------------
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request):
         arrival = state.engine.clock()
         req = validate(CompletionRequest, await _read_json(request, state.config.max_request_bytes))
@@ -136,7 +137,7 @@ def create_app(state: ServerState) -> FastAPI:
                          explicit_max=req.max_tokens is not None)
         return await _respond(state, request, jobs, req, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         arrival = state.engine.clock()
         req = validate(ChatCompletionRequest, await _read_json(request, state.config.max_request_bytes))
