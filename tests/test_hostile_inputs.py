@@ -161,6 +161,8 @@ ROWS = [
     Row("model-unknown", C, comp(model="gpt-4"), param="model"),
     Row("model-int", C, comp(model=5), param="model"),
     Row("chat-model-unknown", CHAT, chat(model="gpt-4"), param="model"),
+    Row("model-surrogate", C, comp(model=SURROGATE), param="model"),  # echoed in the message: must not 500
+    Row("chat-model-surrogate", CHAT, chat(model=SURROGATE), param="model"),
     # --- prompt ----------------------------------------------------------------------------------
     Row("prompt-empty", C, comp(prompt=""), param="prompt"),
     Row("prompt-empty-list", C, comp(prompt=[]), param="prompt"),
