@@ -11,6 +11,9 @@ exited and whether it logged tracebacks.
 By default the model is a tiny random llama (tests/tiny_models.py, so the run measures the server,
 not the arithmetic); ``--model default`` serves tandem's default model, any other value is passed to
 ``--model``. Writes soak.json, soak.md and soak.png to --out-dir.
+
+Longer than 300 lines: the server's lifecycle, the load with its faults, the sampler and the report
+are one run, read together; split, each part would only make sense beside the others.
 """
 
 from __future__ import annotations

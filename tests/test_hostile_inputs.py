@@ -3,7 +3,9 @@ against the app in-process on a tiny model. After every row the engine must stil
 ``/health`` says "ok" (no engine-wide fault) and every KV block is free.
 
 Bodies are JSON-encoded with ASCII escapes, so a lone surrogate travels as the six characters
-``\\ud800`` exactly as a hostile client would send it; ``raw`` rows send bytes as they are."""
+``\\ud800`` exactly as a hostile client would send it; ``raw`` rows send bytes as they are.
+
+Longer than 300 lines: the table is the test, one row a line, and it reads best whole."""
 
 from __future__ import annotations
 
