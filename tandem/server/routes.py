@@ -22,6 +22,7 @@ from tandem.server.fanout import Job, collect, make_jobs, merged_outputs, submit
 from tandem.server.middleware import ErrorGuard
 from tandem.server.offload import off_loop, shutdown as shutdown_offload
 from tandem.server.openai_format import full_response, response_id, sse_stream
+from tandem.server.openapi import request_body
 from tandem.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -108,7 +109,7 @@ def create_app(state: ServerState) -> FastAPI:
         body = state.metrics.render(ae.engine.num_running, ae.num_waiting(), ae.engine.allocator.usage)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
     async def tokenize(request: Request):
         req = validate(TokenizeRequest, await _read_json(request, state.config.max_request_bytes))
         _check_model(state, req.model)
@@ -122,7 +123,7 @@ def create_app(state: ServerState) -> FastAPI:
         # JSONResponse directly: FastAPI's encoder walks a long id list in Python, on the event loop
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len})
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
     async def detokenize(request: Request):
         req = validate(DetokenizeRequest, await _read_json(request, state.config.max_request_bytes))
         _check_model(state, req.model)
@@ -133,7 +134,7 @@ def create_app(state: ServerState) -> FastAPI:
         return {"prompt": await off_loop(state, state.tokenizer.decode_long, req.tokens, skip_special_tokens=False)}
 
     # --- generation --------------------------------------------------------------------------------
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request):
         arrival = state.engine.clock()
         req = validate(CompletionRequest, await _read_json(request, state.config.max_request_bytes))
@@ -145,7 +146,7 @@ def create_app(state: ServerState) -> FastAPI:
                               response_id=response_id(chat=False))
         return await _respond(state, request, jobs, req, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         arrival = state.engine.clock()
         req = validate(ChatCompletionRequest, await _read_json(request, state.config.max_request_bytes))
