@@ -189,3 +189,31 @@ def test_retry_after_is_the_time_the_line_ahead_takes():
         await line.room(5)
         await asyncio.gather(*waiting)
     run(scenario())
+
+
+def test_the_engine_thread_lets_the_line_in(tmp_path):
+    """Over a real engine: one running, one waiting, the rest wait in line and all complete."""
+    import httpx
+
+    from tandem.config import EngineConfig, ServerConfig
+    from tandem.server.routes import create_app
+    from tandem.server.state import build_state
+    from tiny_models import save_tiny
+
+    save_tiny("llama", tmp_path)
+    config = EngineConfig.from_kwargs(model=str(tmp_path), dtype="float32", num_kv_blocks=64, block_size=4,
+                                      max_num_seqs=1)
+    state = build_state(config, ServerConfig(peak_flops=1e11, peak_memory_bandwidth=1e10, max_waiting=1,
+                                             admission_queue=8, admission_timeout=20))
+    app = create_app(state)
+
+    async def scenario():
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as c:
+                rs = await asyncio.gather(*(c.post("/v1/completions", json={
+                    "prompt": f"w{i}", "max_tokens": 8, "ignore_eos": True}) for i in range(6)))
+        assert [r.status_code for r in rs] == [200] * 6
+        assert state.async_engine.num_open == 0 and len(state.async_engine.admission) == 0
+
+    asyncio.run(scenario())
