@@ -81,26 +81,34 @@ def _serve_parser(sub) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from tandem.server.routes import create_app
+    from tandem.server.serve import PortInUse, bind, serve
     from tandem.server.state import build_state
 
     engine_config = engine_config_from_args(args)
     server_config = dataclass_from_args(ServerConfig, args)
     server_config.validate()
-    print("loading model ...", file=sys.stderr, flush=True)
-    state = build_state(engine_config, server_config)
-    app = create_app(state)
-    print(
-        f"tandem serving {state.model_name!r} on http://{server_config.host}:{server_config.port} "
-        f"(policy {engine_config.scheduler.policy}, {state.engine.allocator.num_blocks} KV blocks)",
-        file=sys.stderr,
-        flush=True,
-    )
-    print(f"paths: {state.paths_line}", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=args.log_level.lower(),
-                timeout_graceful_shutdown=5)
+    try:
+        sock = bind(server_config.host, server_config.port)  # before the model: a taken port fails at once
+    except PortInUse as exc:
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        print("loading model ...", file=sys.stderr, flush=True)
+        state = build_state(engine_config, server_config)
+    except KeyboardInterrupt:
+        sock.close()
+        print("tandem: interrupted while loading the model", file=sys.stderr)
+        return 130
+    port = sock.getsockname()[1]
+
+    def started() -> None:
+        print(f"tandem serving {state.model_name!r} on http://{server_config.host}:{port} "
+              f"(policy {engine_config.scheduler.policy}, {state.engine.allocator.num_blocks} KV blocks)",
+              file=sys.stderr, flush=True)
+        print(f"paths: {state.paths_line}", file=sys.stderr, flush=True)
+
+    serve(create_app(state), state, sock, args.log_level.lower(), on_started=started)
     return 0
 
 

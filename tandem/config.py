@@ -257,6 +257,23 @@ class ServerConfig:
     peak_memory_bandwidth: float | None = field(
         default=None, metadata=_help("peak memory bytes/s for utilization metrics; default: measured at start-up")
     )
+    shutdown_timeout: float = field(default=30.0, metadata=_help(
+        "on SIGTERM/SIGINT new requests get 503 and running ones have this many seconds to finish; then every "
+        "open stream ends with an error event and [DONE] (a second signal ends them at once)"))
+    header_timeout: float = field(default=10.0, metadata=_help(
+        "seconds a connection has to send a request's complete headers, counted from its start or the request's "
+        "first byte; then it is closed (with 408 if part of a request came)"))
+    keep_alive_timeout: float = field(default=5.0, metadata=_help("seconds an idle keep-alive connection stays open"))
+    max_connections: int = field(default=1000, metadata=_help(
+        "open connections beyond this get 503 (with Connection: close) for their requests"))
+    stream_write_timeout: float = field(default=10.0, metadata=_help(
+        "a stream whose client takes no data for this many seconds (the send blocks) is aborted, its KV freed "
+        "and its connection closed"))
+    admission_queue: int = field(default=256, metadata=_help(
+        "requests that may wait, in arrival order, for room in the waiting queue (--max-waiting) before 429; "
+        "0 refuses at once when the waiting queue is full"))
+    admission_timeout: float = field(default=10.0, metadata=_help(
+        "seconds a request may wait in the admission queue before 429 with Retry-After"))
 
     def validate(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -271,3 +288,10 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or value <= 0):
                 raise ValueError(f"{name}: must be > 0, got {value!r}")
+        for name in ("header_timeout", "keep_alive_timeout", "stream_write_timeout", "shutdown_timeout",
+                     "admission_timeout"):
+            value, least = getattr(self, name), 0 if name in ("shutdown_timeout", "admission_timeout") else 1e-9
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= least:
+                raise ValueError(f"{name}: must be {'>= 0' if least == 0 else '> 0'}, got {value!r}")
+        _positive_int("max_connections", self.max_connections)
+        _non_negative_int("admission_queue", self.admission_queue)

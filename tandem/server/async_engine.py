@@ -5,6 +5,10 @@ state), then hand the request to the loop through a lock-protected inbox. The lo
 and aborts requests between steps, runs ``step()``, and pushes each output to the request's
 asyncio queue with ``call_soon_threadsafe`` as soon as the step ends. A slow client only slows
 its own queue's consumer; the loop never waits for a socket.
+
+Requests reach the inbox through the first-come admission queue (``admission.py``); on shutdown
+``begin_shutdown`` refuses new work and ``end_all`` finishes every open request with
+``ShuttingDown``, which the routes turn into a final error event.
 """
 
 from __future__ import annotations
@@ -20,12 +24,15 @@ from typing import AsyncIterator, Callable
 from tandem.core.engine import Engine
 from tandem.core.outputs import RequestOutput
 from tandem.core.request import Request
+from tandem.server.admission import AdmissionQueue, QueueFull
 
 log = logging.getLogger(__name__)
 
+__all__ = ["AsyncEngine", "QueueFull", "ShuttingDown"]
 
-class QueueFull(Exception):
-    """The waiting queue is at its bound; the client should retry later."""
+
+class ShuttingDown(Exception):
+    """The server is shutting down: the request is refused, or ended before it finished."""
 
 
 @dataclass
@@ -40,6 +47,8 @@ class AsyncEngine:
         engine: Engine,
         max_waiting: int,
         on_finish: Callable[[RequestOutput], None] | None = None,
+        admission_queue: int = 0,
+        admission_timeout: float = 0.0,
     ) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
@@ -50,6 +59,11 @@ class AsyncEngine:
         self._aborts: deque[str] = deque()
         self._streams: dict[str, _Stream] = {}
         self._stop = False
+        self._end_all = False
+        self._closing: ShuttingDown | None = None
+        self.admission = AdmissionQueue(lambda: self.max_waiting - self.num_waiting(), admission_queue,
+                                        admission_timeout)
+        self._poke_pending = False
         self.errors = 0
         self.last_error: str | None = None
         self.last_error_time: float | None = None
@@ -74,15 +88,50 @@ class AsyncEngine:
         return self.engine.num_waiting + len(self._inbox)
 
     def submit(self, request: Request) -> asyncio.Queue:
-        """Queue a validated request; raises QueueFull when the waiting queue is at its bound."""
-        stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
+        """Queue a validated request now; raises QueueFull when there is no room or others wait
+        for it in the admission queue (they came first)."""
+        if self._closing is not None:
+            raise self._closing
+        if len(self.admission) or self.num_waiting() >= self.max_waiting:
+            raise QueueFull(f"{self.max_waiting} requests are already waiting", self.admission.retry_after(1))
+        return self._enqueue([request])[0]
+
+    async def submit_all(self, requests: list[Request]) -> list[asyncio.Queue]:
+        """Queue all of the requests or none, first come first served (see admission.py); raises
+        QueueFull (with its Retry-After) or ShuttingDown."""
+        if self._closing is not None:
+            raise self._closing
+        if len(requests) > self.max_waiting:
+            raise QueueFull(f"{len(requests)} requests never fit a waiting queue of {self.max_waiting}",
+                            self.admission.retry_after(len(requests)))
+        return await self.admission.admit(len(requests), lambda: self._enqueue(requests),
+                                          lambda _: [self.abort(r.request_id) for r in requests])
+
+    def _enqueue(self, requests: list[Request]) -> list[asyncio.Queue]:
+        loop = asyncio.get_running_loop()
+        streams = [_Stream(asyncio.Queue(), loop) for _ in requests]
         with self._wake:
-            if self.engine.num_waiting + len(self._inbox) >= self.max_waiting:
-                raise QueueFull(f"{self.max_waiting} requests are already waiting")
-            self._streams[request.request_id] = stream
-            self._inbox.append(request)
+            for request, stream in zip(requests, streams):
+                self._streams[request.request_id] = stream
+                self._inbox.append(request)
             self._wake.notify()
-        return stream.queue
+        return [s.queue for s in streams]
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests from now on (those waiting for admission too); running ones go on."""
+        self._closing = ShuttingDown("the server is shutting down")
+        self.admission.close(self._closing)
+
+    def end_all(self) -> None:
+        """Abort every open request; each gets ShuttingDown as its last item."""
+        with self._wake:
+            self._end_all = True
+            self._wake.notify()
+
+    @property
+    def num_open(self) -> int:
+        """Requests accepted and not yet finished."""
+        return len(self._streams)
 
     def abort(self, request_id: str) -> None:
         with self._wake:
@@ -113,12 +162,17 @@ class AsyncEngine:
         engine = self.engine
         while True:
             with self._wake:
-                while not self._stop and not self._inbox and not self._aborts and not engine.has_unfinished_requests():
+                while (not self._stop and not self._end_all and not self._inbox and not self._aborts
+                       and not engine.has_unfinished_requests()):
                     self._wake.wait()
                 if self._stop:
                     break
                 inbox, self._inbox = list(self._inbox), deque()
                 aborts, self._aborts = list(self._aborts), deque()
+                end_all, self._end_all = self._end_all, False
+            if end_all:
+                self._finish_all(inbox)
+                continue
             for request in inbox:
                 try:
                     engine.add(request)
@@ -130,6 +184,7 @@ class AsyncEngine:
                 if out is not None and self._on_finish is not None:
                     self._on_finish(out)
                 self._close(request_id)
+            self._poke_admission()
             if not engine.has_unfinished_requests():
                 continue
             try:
@@ -146,10 +201,34 @@ class AsyncEngine:
                     if self._on_finish is not None:
                         self._on_finish(out)
                     self._close(out.request_id)
-        # shutting down: whoever still waits gets an error instead of hanging
+            self._poke_admission()
+        # stopped: whoever still waits gets an error instead of hanging
+        self._finish_all([])
+
+    def _finish_all(self, inbox: list[Request]) -> None:
+        for request in inbox:  # never added: nothing to free
+            self._push(request.request_id, ShuttingDown("the server is shutting down"))
+            self._close(request.request_id)
         for request_id in list(self._streams):
-            self._push(request_id, RuntimeError("the server is shutting down"))
+            out = self.engine.abort_request(request_id)
+            if out is not None and self._on_finish is not None:
+                self._on_finish(out)
+            self._push(request_id, ShuttingDown("the server shut down before this request finished"))
             self._close(request_id)
+
+    def _poke_admission(self) -> None:
+        """Room may have appeared in the waiting queue: let the admission queue's head in."""
+        loop = self.admission.loop
+        if len(self.admission) and loop is not None and not self._poke_pending:
+            self._poke_pending = True
+            try:
+                loop.call_soon_threadsafe(self._run_poke)
+            except RuntimeError:  # the event loop has closed
+                self._poke_pending = False
+
+    def _run_poke(self) -> None:
+        self._poke_pending = False
+        self.admission.poke()
 
     def _fault(self, message: str) -> None:
         self.errors += 1

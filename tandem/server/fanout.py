@@ -10,11 +10,9 @@ from typing import AsyncIterator
 from tandem.core.outputs import RequestOutput
 from tandem.core.request import Request as EngineRequest
 from tandem.core.sampling_params import SamplingParams
-from tandem.server.async_engine import QueueFull
+from tandem.server.async_engine import QueueFull, ShuttingDown
 from tandem.server.protocol import APIError, bad_request, from_value_error
 from tandem.server.state import ServerState
-
-RETRY_AFTER_S = 1
 
 
 @dataclass
@@ -56,27 +54,24 @@ def make_jobs(state: ServerState, prompts: list, params: SamplingParams, n: int,
                     param,
                 )
             jobs.append(Job(len(jobs), pi, request, response_id))
-    ae = state.async_engine
-    if ae.num_waiting() + len(jobs) > ae.max_waiting:
-        state.metrics.reject("queue_full")
-        raise APIError(429, f"the server is at its queue bound ({ae.max_waiting} waiting requests); retry later",
-                       headers={"Retry-After": str(RETRY_AFTER_S)})
     return jobs
 
 
-def submit(state: ServerState, jobs: list[Job]) -> list[asyncio.Queue]:
-    """Hand every job to the engine loop, or none of them (429) if the queue is full."""
-    queues: list[asyncio.Queue] = []
+async def submit(state: ServerState, jobs: list[Job]) -> list[asyncio.Queue]:
+    """Hand every job to the engine loop, or none of them: 429 when there is no room in time (see
+    admission.py), 503 once shutdown began."""
     try:
-        for job in jobs:
-            queues.append(state.async_engine.submit(job.request))
+        return await state.async_engine.submit_all([job.request for job in jobs])
     except QueueFull as exc:
-        for job in jobs[: len(queues)]:
-            state.async_engine.abort(job.request.request_id)
         state.metrics.reject("queue_full")
         raise APIError(429, f"the server is at its queue bound: {exc}; retry later",
-                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-    return queues
+                       headers={"Retry-After": str(exc.retry_after)}) from None
+    except ShuttingDown as exc:
+        raise shutting_down(exc) from None
+
+
+def shutting_down(exc: ShuttingDown) -> APIError:
+    return APIError(503, str(exc), code="server_shutting_down", headers={"Connection": "close"})
 
 
 async def merged_outputs(state: ServerState, jobs: list[Job], queues: list[asyncio.Queue]
@@ -98,6 +93,8 @@ async def merged_outputs(state: ServerState, jobs: list[Job], queues: list[async
             job, item = await merged.get()
             if isinstance(item, BaseException) or item.finished:
                 remaining.discard(job.request.request_id)
+            if isinstance(item, ShuttingDown):
+                raise shutting_down(item)
             if isinstance(item, BaseException):
                 raise APIError(500, f"request failed: {item}")
             yield job, item

@@ -11,7 +11,7 @@ import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tandem
@@ -33,6 +33,7 @@ from tandem.server.protocol import (
     validate,
 )
 from tandem.server.state import ServerState, unix_time
+from tandem.server.streaming import GuardedStreamingResponse
 
 log = logging.getLogger(__name__)
 
@@ -211,12 +212,12 @@ def _render_chat(state: ServerState, messages, req: ChatCompletionRequest | None
 async def _respond(state: ServerState, request: Request, jobs: list[Job], req, chat: bool):
     created = unix_time()
     rid = jobs[0].response_id
-    queues = submit(state, jobs)
+    queues = await submit(state, jobs)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(
+        return GuardedStreamingResponse(
             sse_stream(state, merged_outputs(state, jobs, queues), jobs, rid, created, chat, include_usage),
-            media_type="text/event-stream",
+            write_timeout=state.config.stream_write_timeout, media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     collecting = asyncio.ensure_future(collect(merged_outputs(state, jobs, queues)))

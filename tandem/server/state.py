@@ -74,7 +74,9 @@ def build_state(engine_config: EngineConfig, server_config: ServerConfig) -> Ser
         if tracer is not None:
             tracer.on_finish(out)
 
-    async_engine = AsyncEngine(engine, server_config.max_waiting, on_finish=on_finish)
+    async_engine = AsyncEngine(engine, server_config.max_waiting, on_finish=on_finish,
+                               admission_queue=server_config.admission_queue,
+                               admission_timeout=server_config.admission_timeout)
     engine.on_step = lambda stats: on_step(stats, engine)  # called by step(), in the loop thread
     return ServerState(
         engine=engine, async_engine=async_engine, metrics=metrics, tracer=tracer,
