@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 from typing import Any
 
@@ -18,6 +17,7 @@ import tandem
 from tandem.server.auth import BearerAuth
 from tandem.server.chat import ROLES
 from tandem.server.fanout import Job, collect, make_jobs, merged_outputs, submit
+from tandem.server.json_body import read_json
 from tandem.server.openai_format import full_response, response_id, sse_stream
 from tandem.server.protocol import (
     APIError,
@@ -106,7 +106,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        req = validate(TokenizeRequest, await _read_json(request, state.config.max_request_bytes))
+        req = validate(TokenizeRequest, await read_json(request, state.config.max_request_bytes))
         _check_model(state, req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("prompt: give exactly one of prompt or messages", "prompt")
@@ -116,7 +116,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        req = validate(DetokenizeRequest, await _read_json(request, state.config.max_request_bytes))
+        req = validate(DetokenizeRequest, await read_json(request, state.config.max_request_bytes))
         _check_model(state, req.model)
         vocab = state.tokenizer.vocab_size
         for i, t in enumerate(req.tokens):
@@ -128,7 +128,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         arrival = state.engine.clock()
-        req = validate(CompletionRequest, await _read_json(request, state.config.max_request_bytes))
+        req = validate(CompletionRequest, await read_json(request, state.config.max_request_bytes))
         _check_model(state, req.model)
         params = req.sampling_params()  # SamplingParams' defaults are OpenAI's
         prompts = req.prompts()
@@ -139,7 +139,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         arrival = state.engine.clock()
-        req = validate(ChatCompletionRequest, await _read_json(request, state.config.max_request_bytes))
+        req = validate(ChatCompletionRequest, await read_json(request, state.config.max_request_bytes))
         _check_model(state, req.model)
         # chat's default max_tokens: the room left in the context (see core/sampling_params.py)
         params = req.sampling_params(state.engine.max_model_len)
@@ -153,27 +153,6 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 # --- request handling helpers -------------------------------------------------------------------------
-
-
-async def _read_json(request: Request, limit: int) -> Any:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise bad_request(f"the request body is not valid UTF-8 (byte {exc.start})") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
