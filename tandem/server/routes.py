@@ -145,8 +145,9 @@ def create_app(state: ServerState) -> FastAPI:
         params = req.sampling_params(state.engine.max_model_len)
         text = _render_chat(state, req.messages, req)
         explicit = req.max_tokens is not None or req.max_completion_tokens is not None
-        jobs = make_jobs(state, [text], params, req.n, req.priority, arrival, default_max=not explicit,
-                         explicit_max=explicit)
+        with req.field_names():
+            jobs = make_jobs(state, [text], params, req.n, req.priority, arrival, default_max=not explicit,
+                             explicit_max=explicit)
         return await _respond(state, request, jobs, req, chat=True)
 
     return app
