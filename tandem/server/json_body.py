@@ -120,6 +120,8 @@ def _check_text(text: str, path: str) -> None:
 
 
 def _refuse(path: str, reason: str) -> None:
+    # a key can be the bad string: the answer must still encode
+    path = path.encode("utf-8", "backslashreplace").decode("utf-8")
     if path:
         raise bad_request(f"{path}: {reason}", path)
     raise bad_request(f"the request body: {reason}")

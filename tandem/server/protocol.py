@@ -109,6 +109,8 @@ class _Common(BaseModel):
     def _sampling(self, max_tokens: int | None, logprobs: int | None, default_max: int | None) -> SamplingParams:
         """Fields the client left out keep SamplingParams' defaults (OpenAI's); ``default_max``
         replaces the default ``max_tokens`` where the route's default differs (chat)."""
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise bad_request(f"seed: must be an integer in [-2**63, 2**63 - 1], got {self.seed}", "seed")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise bad_request(f"{name}: not supported by this server (only 0)", name)
