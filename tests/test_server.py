@@ -252,7 +252,7 @@ def test_bad_completion_requests(server, body, status, param):
 BAD_CHAT = [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "alien", "content": "x"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user"}], "max_completion_tokens": -1}, "max_tokens"),
+    ({"messages": [{"role": "user"}], "max_completion_tokens": -1}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": "hello"}, "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),

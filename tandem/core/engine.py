@@ -3,10 +3,18 @@
 ``Engine`` knows nothing of torch: it drives a ``Runner`` (anything with
 ``execute(SchedulerOutput) -> RunnerOutput``) and a tokenizer, with an injected clock, so a
 simulator can run the same scheduling code on virtual time.
+
+A step whose runner raises is retried in halves until each failure is pinned on requests that
+fail on their own: only those finish with an error, the others get their token as if nothing
+happened. Re-running a chunk is safe: it rewrites the same KV slots with the same values, and
+the sampler draws no noise in a step that fails. ``step_fault`` tells whether a failure is the
+engine's rather than a request's: every request of the step failed and there were several, or
+a lone request failed right after another step that served no request.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -58,6 +66,9 @@ class Engine:
         self.record_steps = record_steps  # a long-running server keeps none; on_step sees each
         self.on_step = on_step
         self.last_error: str | None = None
+        self.step_fault: str | None = None
+        """The engine-wide fault of the last step, if it had one (see the module docstring)."""
+        self._unjudged: str | None = None  # a lone request's failure, judged by the next step
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
 
@@ -159,28 +170,58 @@ class Engine:
             return []
         start = self.clock()
         sched_out = self.scheduler.schedule()
-        error = None
-        if sched_out.is_empty:
-            result = RunnerOutput(sampled={})
-            touched: list[Request] = []
-            failed: list[Request] = []
-        else:
-            try:
-                result = self.runner.execute(sched_out)
-            except Exception as exc:  # one bad step must not take the engine down
-                log.exception("step %d failed", sched_out.step_id)
-                error = f"{type(exc).__name__}: {exc}"
-                self.last_error = error
-                result = RunnerOutput(sampled={})
-                failed = self.scheduler.fail_step(sched_out)
-                touched = []
-            else:
-                failed = []
-                touched = self.scheduler.update(sched_out, result)
+        self.step_fault = None
+        result, culprits = RunnerOutput(sampled={}), {}
+        if not sched_out.is_empty:
+            result, culprits = self._execute_isolated(sched_out, first=True)
+        error = next(iter(culprits.values()), None)
+        if error is not None:
+            self.last_error = error
+        if not sched_out.is_empty:
+            self._judge(len(sched_out.chunks), len(culprits), error)
+        failed: list[tuple[Request, str]] = []
+        for request_id, message in culprits.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is not None:
+                self.scheduler.finish(request, FinishReason.ERROR)
+                failed.append((request, message))
+        touched = self.scheduler.update(sched_out, result)  # skips the culprits, now finished
         outputs = [self._output(r) for r in touched]
-        outputs += [self._output(r, error=error) for r in failed]
+        outputs += [self._output(r, error=message) for r, message in failed]
         self._record(start, sched_out, result, error)
         return outputs
+
+    def _execute_isolated(self, out: SchedulerOutput, first: bool = False) -> tuple[RunnerOutput, dict[str, str]]:
+        """The runner's output for ``out`` and, where it raised, the error of each request that
+        fails alone (one bad request must not fail the others, nor a bad step the engine)."""
+        try:
+            return self.runner.execute(out), {}
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            if first:
+                log.exception("step %d failed", out.step_id)
+            if len(out.chunks) == 1:
+                log.warning("step %d: request %s fails alone: %s", out.step_id, out.chunks[0].request_id, error)
+                return RunnerOutput(sampled={}), {out.chunks[0].request_id: error}
+        mid = len(out.chunks) // 2
+        result, culprits = RunnerOutput(sampled={}), {}
+        for i, part in enumerate((out.chunks[:mid], out.chunks[mid:])):
+            # the runner drops finished requests' state once; the retry needs no second time
+            sub = dataclasses.replace(out, chunks=part, finished_ids=() if i else out.finished_ids)
+            r, c = self._execute_isolated(sub)
+            result.sampled.update(r.sampled)
+            result.forward_seconds += r.forward_seconds
+            culprits.update(c)
+        return result, culprits
+
+    def _judge(self, num_chunks: int, num_failed: int, error: str | None) -> None:
+        """Set ``step_fault`` when the failure cannot be the requests' own."""
+        if num_failed < num_chunks:  # the runner served someone: it works
+            self._unjudged = None
+        elif num_chunks > 1 or self._unjudged is not None:
+            self.step_fault = error
+        else:
+            self._unjudged = error
 
     def _output(self, request: Request, error: str | None = None) -> RequestOutput:
         detok = self._detok[request.request_id]

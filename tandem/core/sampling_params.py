@@ -6,6 +6,10 @@ The defaults are OpenAI's (``max_tokens`` 16, ``temperature`` 1), which the HTTP
 - ``tandem generate``: ``CLI_DEFAULTS`` (greedy, a paragraph of output);
 - ``/v1/chat/completions`` without ``max_tokens``: up to the end of the context, as OpenAI's chat
   API does (the server computes the room left).
+
+A temperature below ``GREEDY_BELOW`` samples greedily, as vLLM does: dividing float32 logits by
+a temperature that small overflows them (1e-40 is not even a normal float32), which would turn
+the row into NaNs and the draw into token 0.
 """
 
 from __future__ import annotations
@@ -15,6 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 
+GREEDY_BELOW = 1e-5
+"""Temperatures below this are greedy (vLLM's threshold)."""
+
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+"""A seed is 64 bits, signed or unsigned: what the random generator accepts. The HTTP API takes
+the signed range only (as vLLM does), which leaves room for the seeds derived per choice."""
+
+
 def _help(text: str, **extra: Any) -> dict[str, Any]:
     return {"help": text, **extra}
 
@@ -22,7 +34,7 @@ def _help(text: str, **extra: Any) -> dict[str, Any]:
 @dataclass
 class SamplingParams:
     max_tokens: int = field(default=16, metadata=_help("output tokens per prompt"))
-    temperature: float = field(default=1.0, metadata=_help("0 is greedy"))
+    temperature: float = field(default=1.0, metadata=_help(f"0 (or below {GREEDY_BELOW:g}) is greedy"))
     top_p: float = field(default=1.0, metadata=_help("nucleus sampling: keep the smallest set of tokens with this mass"))
     top_k: int = field(default=-1, metadata=_help("keep the k most likely tokens; -1 disables"))
     seed: int | None = field(default=None, metadata=_help("seed of this request's random draws"))
@@ -49,8 +61,8 @@ class SamplingParams:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1 or self.top_k == 0:
             raise ValueError(f"top_k: must be -1 (disabled) or a positive integer, got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed: must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop: must be non-empty strings, got {self.stop!r}")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
@@ -60,7 +72,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 CLI_DEFAULTS: dict[str, Any] = {"max_tokens": 64, "temperature": 0.0}

@@ -5,6 +5,12 @@ Sampling uses the exponential-race form of the categorical draw (argmax of p / E
 E ~ Exp(1)), so every row can take its noise from its own seeded generator while the rest of
 the work stays batched. A request's generator lives as long as the request, so the same seed
 gives the same output whatever else shares its steps.
+
+Nothing one request asks for can make ``sample`` raise for the batch: any 64-bit seed is taken
+(signed seeds as their two's complement, as torch does), ``top_k`` and ``logprobs`` are capped
+at the vocabulary and ``top_p`` always keeps the most likely token. Every generator a step needs
+is made before any noise is drawn, so a step that fails (and is retried by the engine without
+its culprit) has advanced no request's generator.
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ import torch
 from tandem.core.request import TokenLogprob
 from tandem.core.sampling_params import SamplingParams
 from tandem.ops.reference import argmax_rows
+
+
+_SEED_MASK = (1 << 64) - 1
 
 
 class Sampler:
@@ -37,7 +46,7 @@ class Sampler:
         gen = self._generators.get(request_id)
         if gen is None:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(params.seed)
+            gen.manual_seed(params.seed & _SEED_MASK)
             self._generators[request_id] = gen
         return gen
 
@@ -45,7 +54,7 @@ class Sampler:
         self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """``logits``: float32 [n, vocab] -> one token id (and optional logprobs) per row."""
-        n = logits.shape[0]
+        n, vocab = logits.shape
         chosen = self._argmax(logits)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
@@ -57,20 +66,21 @@ class Sampler:
                 [params[i].top_k for i in random_rows],
                 [params[i].top_p for i in random_rows],
             )
+            gens = [self._generator(request_ids[i], params[i]) for i in random_rows]
             probs = torch.softmax(rows, dim=-1)
             noise = torch.empty_like(probs)
-            for j, i in enumerate(random_rows):
-                noise[j].exponential_(generator=self._generator(request_ids[i], params[i]))
+            for j, gen in enumerate(gens):
+                noise[j].exponential_(generator=gen)
             chosen[idx] = (probs / noise).argmax(dim=-1)
         token_ids = chosen.tolist()
         logprobs: list[TokenLogprob | None] = [None] * n
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:
             lp = torch.log_softmax(logits[want], dim=-1)
-            k = max(params[i].logprobs for i in want)
+            k = min(max(params[i].logprobs for i in want), vocab)
             top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (None, None)
             for j, i in enumerate(want):
-                kk = params[i].logprobs
+                kk = min(params[i].logprobs, k)
                 top = []
                 if kk:
                     top = list(zip(top_i[j, :kk].tolist(), top_v[j, :kk].tolist()))
@@ -90,7 +100,8 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     ps = torch.tensor(top_p, device=logits.device, dtype=torch.float32)
     probs = torch.softmax(sorted_logits, dim=-1)
-    # Keep a token while the mass before it is below p: the top token always stays.
+    # Keep a token while the mass before it is below p; the top token stays whatever p is (a p
+    # that rounds to 0 in float32 would otherwise mask the whole row).
     before = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(before >= ps[:, None], float("-inf"))
+    sorted_logits = sorted_logits.masked_fill((before >= ps[:, None]) & (rank > 0), float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, sorted_idx, sorted_logits)

@@ -193,11 +193,11 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 self._fault(f"{type(exc).__name__}: {exc}")
                 continue
+            if engine.step_fault is not None:  # a request's own failure (isolated) is no fault of the server's
+                self._fault(engine.step_fault)
             for out in outputs:
                 self._push(out.request_id, out)
                 if out.finished:
-                    if out.error is not None:
-                        self._fault(out.error)
                     if self._on_finish is not None:
                         self._on_finish(out)
                     self._close(out.request_id)

@@ -1,13 +1,21 @@
 """OpenAI request bodies (validated strictly: a wrong type is a 400 naming the field) and the
-error shape ``{"error": {"message", "type", "param", "code"}}``."""
+error shape ``{"error": {"message", "type", "param", "code"}}``.
+
+Strict but for one thing: an integer field takes an integral float (``4.0``), as vLLM does;
+``4.5`` is refused. ``seed`` takes the signed 64-bit range, as vLLM does."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import contextlib
+from typing import Annotated, Any, Iterator, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from tandem.core.sampling_params import SamplingParams
+
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
+"""The seeds a request may give; a choice ``j`` of ``n`` is seeded ``seed + j``, which the
+sampler's 64 bits still hold."""
 
 
 class APIError(Exception):
@@ -48,6 +56,31 @@ def from_value_error(exc: ValueError) -> APIError:
     return bad_request(text, param)
 
 
+def _integral(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+"""An integer, or a float with an integer value."""
+
+
+def renamed(exc: APIError, names: dict[str, str]) -> APIError:
+    """``exc`` with its param (and the message's leading field name) renamed by ``names``."""
+    if exc.param is None:
+        return exc
+    head, dot, rest = exc.param.partition(".")
+    base, bracket, index = head.partition("[")
+    if base not in names:
+        return exc
+    param = names[base] + bracket + index + dot + rest
+    message = exc.message
+    if message.startswith(exc.param + ":"):
+        message = param + message[len(exc.param):]
+    return APIError(exc.status, message, param=param, type_=exc.type, code=exc.code, headers=exc.headers)
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
@@ -56,26 +89,28 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: Int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
     # extensions
-    top_k: int | None = None
+    top_k: Int | None = None
     ignore_eos: bool = False
-    priority: int = 0
-    stop_token_ids: list[int] | None = None
+    priority: Int = 0
+    stop_token_ids: list[Int] | None = None
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None, default_max: int | None) -> SamplingParams:
         """Fields the client left out keep SamplingParams' defaults (OpenAI's); ``default_max``
         replaces the default ``max_tokens`` where the route's default differs (chat)."""
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise bad_request(f"seed: must be an integer in [-2**63, 2**63 - 1], got {self.seed}", "seed")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise bad_request(f"{name}: not supported by this server (only 0)", name)
@@ -104,8 +139,8 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    logprobs: Int | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -142,16 +177,29 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
 
     def sampling_params(self, default_max: int) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs: requires logprobs: true", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         lp = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling(max_tokens, lp, default_max)
+        with self.field_names():
+            return self._sampling(max_tokens, lp, default_max)
+
+    @contextlib.contextmanager
+    def field_names(self) -> Iterator[None]:
+        """Errors raised inside name this request's fields: the engine's ``prompt`` is the
+        ``messages``, its ``max_tokens`` what the client set and its ``logprobs`` ``top_logprobs``."""
+        names = {"prompt": "messages", "logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        try:
+            yield
+        except APIError as exc:
+            raise renamed(exc, names) from None
 
     def plain_messages(self, roles: tuple[str, ...]) -> list[dict[str, str]]:
         if not self.messages:
@@ -177,7 +225,7 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     model: str | None = None
-    tokens: list[int] = Field(default_factory=list)
+    tokens: list[Int] = Field(default_factory=list)
 
 
 def validate(model: type[BaseModel], data: Any) -> Any:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 from typing import Any
 
@@ -19,6 +18,7 @@ from tandem.server.auth import BearerAuth
 from tandem.server.browser import BrowserGuard
 from tandem.server.chat import ROLES
 from tandem.server.fanout import Job, collect, make_jobs, merged_outputs, submit
+from tandem.server.json_body import read_json
 from tandem.server.middleware import ErrorGuard
 from tandem.server.offload import off_loop, shutdown as shutdown_offload
 from tandem.server.openai_format import full_response, response_id, sse_stream
@@ -112,7 +112,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
     async def tokenize(request: Request):
-        req = validate(TokenizeRequest, await _read_json(request, state.config.max_request_bytes))
+        req = validate(TokenizeRequest, await read_json(request, state.config.max_request_bytes))
         _check_model(state, req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("prompt: give exactly one of prompt or messages", "prompt")
@@ -126,7 +126,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
     async def detokenize(request: Request):
-        req = validate(DetokenizeRequest, await _read_json(request, state.config.max_request_bytes))
+        req = validate(DetokenizeRequest, await read_json(request, state.config.max_request_bytes))
         _check_model(state, req.model)
         vocab = state.tokenizer.vocab_size
         for i, t in enumerate(req.tokens):
@@ -138,7 +138,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request):
         arrival = state.engine.clock()
-        req = validate(CompletionRequest, await _read_json(request, state.config.max_request_bytes))
+        req = validate(CompletionRequest, await read_json(request, state.config.max_request_bytes))
         _check_model(state, req.model)
         params = req.sampling_params()  # SamplingParams' defaults are OpenAI's
         prompts = req.prompts()
@@ -150,41 +150,21 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         arrival = state.engine.clock()
-        req = validate(ChatCompletionRequest, await _read_json(request, state.config.max_request_bytes))
+        req = validate(ChatCompletionRequest, await read_json(request, state.config.max_request_bytes))
         _check_model(state, req.model)
         # chat's default max_tokens: the room left in the context (see core/sampling_params.py)
         params = req.sampling_params(state.engine.max_model_len)
         text = await off_loop(state, _render_chat, state, req.messages, req)
         explicit = req.max_tokens is not None or req.max_completion_tokens is not None
-        jobs = await off_loop(state, make_jobs, state, [text], params, req.n, req.priority, arrival,
-                              default_max=not explicit, explicit_max=explicit, response_id=response_id(chat=True))
+        with req.field_names():
+            jobs = await off_loop(state, make_jobs, state, [text], params, req.n, req.priority, arrival,
+                                  default_max=not explicit, explicit_max=explicit, response_id=response_id(chat=True))
         return await _respond(state, request, jobs, req, chat=True)
 
     return app
 
 
 # --- request handling helpers -------------------------------------------------------------------------
-
-
-async def _read_json(request: Request, limit: int) -> Any:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise bad_request(f"the request body is not valid UTF-8 (byte {exc.start})") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
