@@ -210,7 +210,7 @@ def test_the_engine_thread_lets_the_line_in(tmp_path):
     async def scenario():
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as c:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=30) as c:
                 rs = await asyncio.gather(*(c.post("/v1/completions", json={
                     "prompt": f"w{i}", "max_tokens": 8, "ignore_eos": True}) for i in range(6)))
         assert [r.status_code for r in rs] == [200] * 6

@@ -156,7 +156,7 @@ ROWS = [
     Row("stop-empty-string", C, comp(stop=[""]), param="stop"),
     Row("stop-17", C, comp(stop=[f"w{i}" for i in range(17)]), param="stop"),
     Row("stop-ints", C, comp(stop=[1, 2]), param="stop"),
-    Row("stop-surrogate", C, comp(stop=[SURROGATE]), param="stop"),
+    Row("stop-surrogate", C, comp(stop=[SURROGATE]), param=Prefix("stop")),
     Row("stop_token_ids-negative", C, comp(stop_token_ids=[-1]), param="stop_token_ids"),
     Row("stop_token_ids-string", C, comp(stop_token_ids="x"), param="stop_token_ids"),
     # --- model -----------------------------------------------------------------------------------
@@ -181,7 +181,7 @@ ROWS = [
     Row("prompt-mixed-list", C, comp(prompt=[[1, 2], "x"]), param="prompt"),
     Row("prompt-past-context", C, comp(prompt="w7 " * 600), param="prompt"),
     Row("prompt-surrogate", C, comp(prompt=SURROGATE), param="prompt"),
-    Row("prompt-list-surrogate", C, comp(prompt=["w5", SURROGATE]), param="prompt"),
+    Row("prompt-list-surrogate", C, comp(prompt=["w5", SURROGATE]), param=Prefix("prompt")),
     Row("prompt-surrogate-stream", C, comp(prompt=SURROGATE, stream=True), param="prompt"),
     # --- chat messages ---------------------------------------------------------------------------
     Row("messages-empty", CHAT, chat(messages=[]), param="messages"),

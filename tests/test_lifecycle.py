@@ -111,9 +111,9 @@ def test_slow_headers_idle_connections_and_the_cap(model_dir):
     try:
         idle, slow, third = _raw(s.port), _raw(s.port), _raw(s.port)
         opened = time.monotonic()
-        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the rest
         over = _raw(s.port)
-        over.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        over.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         refused = _read_all(over)
         assert refused.startswith(b"HTTP/1.1 503") and b"connection: close" in refused.lower()
         assert json.loads(refused.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "too_many_connections"
@@ -140,7 +140,7 @@ def test_a_client_that_never_reads_its_stream_is_aborted(model_dir):
         sock.connect(("127.0.0.1", s.port))
         body = json.dumps({"prompt": "w1 w2", "max_tokens": 1000, "n": 16, "logprobs": 5, "stream": True,
                            "ignore_eos": True}).encode()
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         deadline = time.monotonic() + 60
         while metrics(s).get(ABORTED, 0) < before + 16 and time.monotonic() < deadline:

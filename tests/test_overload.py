@@ -26,7 +26,8 @@ HANG_S = 30.0  # a request that takes longer than this (from its first try) coun
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    state = tiny_state(tmp_path_factory.mktemp("overload"), max_num_seqs=4, max_waiting=8)
+    state = tiny_state(tmp_path_factory.mktemp("overload"), max_num_seqs=4, max_waiting=8,
+                       admission_queue=8, admission_timeout=1.0)
     s = ThreadedServer(state)
     yield s
     s.stop()

@@ -195,7 +195,7 @@ def test_collateral_over_http(model_dir):
         app = create_app(state)
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=60) as c:
                 alone = [(await c.post("/v1/completions", json=b)).json()["choices"][0]["text"] for b in bodies]
                 gate.clear()
                 runner.execute = gated

@@ -81,7 +81,7 @@ def test_engine_wide_fault_degrades_health(state):
         app = create_app(state)
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as c:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=30) as c:
                 BROKEN["on"] = True
                 try:
                     # one request a step (max_num_seqs=1): two lone failures in a row, nothing served between

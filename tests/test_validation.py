@@ -141,7 +141,7 @@ def test_hostile_inputs_table(state):
         results = []
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as c:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=30) as c:
                 for route, body, _, _ in CASES:
                     start = time.perf_counter()
                     r = await c.post(route, content=body.encode("utf-8", "surrogatepass"),
@@ -172,7 +172,7 @@ def test_a_bad_seed_beside_six_good_requests(state):
         app = create_app(state)
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=60) as c:
                 good = [c.post(CMPL, json={"prompt": "w5 w6", "max_tokens": 8, "temperature": 1, "seed": i,
                                            "ignore_eos": True}) for i in range(6)]
                 bad = c.post(CMPL, json={"prompt": "Hi", "max_tokens": 4, "temperature": 1,
@@ -193,7 +193,7 @@ def test_tiny_temperature_matches_greedy_over_http(state):
         app = create_app(state)
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as c:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=30) as c:
                 out = {}
                 for t in (0, 1e-40, 1e-300):
                     r = await c.post(CMPL, json={"prompt": "w5 w6 w7", "max_tokens": 10, "temperature": t,
