@@ -1,4 +1,11 @@
-"""The engine loop in its own thread, with an asyncio face for the HTTP handlers.
+"""The engine loop beside the HTTP event loop, with an asyncio face for the HTTP handlers.
+
+``tandem serve`` runs the loop on the process's main thread (``run``) and uvicorn in a thread of
+its own: torch's OpenMP runtime keeps one worker pool per thread that starts parallel work, and
+once the main thread (which loaded the model) and an engine thread both hold a pool, libgomp
+counts more threads than cores and makes its workers sleep instead of spin between operators —
+every parallel operator then pays a futex wake-up, and decode steps were a third slower. In-process
+users (tests, ``ThreadedServer``) call ``start``, which runs the same loop in a thread.
 
 Handlers never touch the engine: they validate and tokenize (``Engine.make_request`` changes no
 state), then hand the request to the loop through a lock-protected inbox. The loop thread adds
@@ -67,21 +74,30 @@ class AsyncEngine:
         self.errors = 0
         self.last_error: str | None = None
         self.last_error_time: float | None = None
-        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="tandem-engine", daemon=True)
+        self._caller_runs = False
+        self._running = False
 
     # --- lifecycle -------------------------------------------------------------------------------
+    def run_on_caller(self) -> None:
+        """The caller will run the loop itself (``run``, on the main thread); ``start`` then
+        starts nothing."""
+        self._caller_runs = True
+
     def start(self) -> None:
-        self._thread.start()
+        if not self._caller_runs:
+            self._thread.start()
 
     def stop(self) -> None:
         with self._wake:
             self._stop = True
             self._wake.notify()
-        self._thread.join(timeout=30)
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=30)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._running or self._thread.is_alive()
 
     # --- called from the event loop ----------------------------------------------------------------
     def num_waiting(self) -> int:
@@ -157,8 +173,16 @@ class AsyncEngine:
             if not finished:
                 self.abort(request.request_id)
 
-    # --- the loop thread ------------------------------------------------------------------------------
-    def _run(self) -> None:
+    # --- the loop ------------------------------------------------------------------------------------
+    def run(self) -> None:
+        """The engine loop, until ``stop``."""
+        self._running = True
+        try:
+            self._loop()
+        finally:
+            self._running = False
+
+    def _loop(self) -> None:
         engine = self.engine
         while True:
             with self._wake:

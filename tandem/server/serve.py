@@ -8,6 +8,10 @@ open is ended: a stream with a final error event and ``data: [DONE]``, a non-str
 with a JSON 503. Only then does uvicorn close the connections and the engine thread stop, so no
 task is cancelled mid-response. A second signal ends the running requests at once; a third
 leaves without waiting for the connections.
+
+uvicorn runs in a thread of its own and the engine loop on the main thread (why: see
+``async_engine.py``); the signal handlers are installed on the main thread, where Python runs
+them, and hand the signal to the server's event loop.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import logging
 import signal
 import socket
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -112,14 +117,10 @@ class TandemServer(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self):
-        # uvicorn re-raises the signal after shutting down, which would make the exit status the
-        # signal's instead of 0
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        # uvicorn's own version re-raises the signal after shutting down, which would make the exit
+        # status the signal's instead of 0; and it only works on the main thread, which runs the
+        # engine here. ``serve`` installs the handlers there.
+        yield
 
     def handle_exit(self, sig: int, frame) -> None:
         self.signals += 1
@@ -167,7 +168,24 @@ def serve(app, state, sock: socket.socket, log_level: str, on_started: Callable[
         timeout_keep_alive=settings.keep_alive_timeout,  # type: ignore[arg-type]  # a float works
         timeout_graceful_shutdown=CLOSE_GRACE_S,
     )
-    server = TandemServer(config, gate, state.async_engine, settings, on_started)
+    engine = state.async_engine
+    server = TandemServer(config, gate, engine, settings, on_started)
+    engine.run_on_caller()
+
+    def http() -> None:
+        try:
+            server.run(sockets=[sock])
+        finally:
+            engine.stop()  # the lifespan stops it too, unless start-up failed before it ran
+
     started = time.monotonic()
-    server.run(sockets=[sock])
+    previous = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+    thread = threading.Thread(target=http, name="tandem-http")
+    try:
+        thread.start()
+        engine.run()  # returns once the server has shut down
+        thread.join()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     log.info("served for %.0f s", time.monotonic() - started)
