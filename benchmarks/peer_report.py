@@ -115,16 +115,16 @@ def _clean(obj):
 def setup_lines(args, machine: dict, results: list[PeerResult]) -> list[str]:
     lines = [f"- CPU: {machine['cpu']}, {machine['cores']} cores; every peer on {args.threads} threads; "
              f"torch {machine['torch']} ({machine['torch_cpu_capability']}), Python {machine['python']}",
-             f"- model: `{Path(args.model).name}`; tandem `--dtype auto` resolves to {machine['tandem_dtype_auto']} "
-             "here; transformers float32 (dequantized from the GGUF); llama.cpp runs the GGUF's own quantized "
-             "weights"]
+             f"- model: `{Path(args.model).name}`; tandem runs what its defaults resolve to on this machine "
+             "(its /config below); transformers float32 (dequantized from the GGUF); llama.cpp runs the GGUF's "
+             "own quantized weights"]
     for res in results:
         if res.status != "ok":
             continue
         extra = ""
         if res.peer == "tandem":
             engine = (res.info.get("/config") or {}).get("engine") or {}
-            keys = ("policy", "max_num_seqs", "max_num_batched_tokens", "dtype")
+            keys = ("policy", "max_num_seqs", "max_num_batched_tokens", "dtype", "quantization")
             extra = ", ".join(f"{k} {engine[k]}" for k in keys if k in engine)
         elif res.peer.startswith("llama"):
             extra = res.info.get("version", "")

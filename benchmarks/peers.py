@@ -93,7 +93,6 @@ def build_plan(args: argparse.Namespace, tokenizer) -> Plan:
 def machine_facts(args) -> dict:
     import torch
 
-    from tandem.build import resolve_dtype
 
     cpu = "unknown"
     with contextlib.suppress(OSError):
@@ -105,7 +104,6 @@ def machine_facts(args) -> dict:
         "cpu": cpu, "cores": os.cpu_count(), "threads": args.threads, "host": platform.node(),
         "python": platform.python_version(), "torch": torch.__version__,
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "tandem_dtype_auto": str(resolve_dtype("auto", torch.device("cpu"))).replace("torch.", ""),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 

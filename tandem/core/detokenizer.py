@@ -6,6 +6,10 @@ characters split over several byte-fallback tokens come out right. A replacement
 the end means a multi-byte character is still incomplete: nothing is emitted until it is.
 While a request runs, the last ``len(longest stop string) - 1`` characters are held back so a
 stop string split across tokens never leaks into a stream.
+
+``offsets`` holds, for each output token, the character offset in ``text`` where its text
+begins (OpenAI's ``text_offset``): tokens whose bytes only complete a character together share
+the offset of that character, and after a stop string cut the text no offset points past it.
 """
 
 from __future__ import annotations
@@ -30,11 +34,13 @@ class IncrementalDetokenizer:
         self._include_stop = include_stop
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self.text = ""
+        self.offsets: list[int] = []
         self._emitted = 0
 
     def add_tokens(self, token_ids: Sequence[int]) -> str | None:
         """Append tokens; returns the stop string matched (and truncates ``text``) or None."""
         for token_id in token_ids:
+            self.offsets.append(len(self.text))
             self._ids.append(token_id)
             before = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
             after = self._tok.decode(self._ids[self._prefix_offset :])
@@ -58,6 +64,8 @@ class IncrementalDetokenizer:
             return None
         idx, stop = best
         self.text = self.text[: idx + len(stop)] if self._include_stop else self.text[:idx]
+        end = len(self.text)
+        self.offsets = [min(o, end) for o in self.offsets]
         return stop
 
     def take_delta(self, finished: bool) -> str:

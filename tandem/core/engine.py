@@ -247,6 +247,7 @@ class Engine:
             timing=request.timing,
             logprobs=request.logprobs,
             error=error,
+            text_offsets=list(detok.offsets),
         )
 
     def _record(self, start: float, out: SchedulerOutput, result: RunnerOutput, error: str | None) -> None:

@@ -60,3 +60,5 @@ class RequestOutput:
     timing: RequestTiming
     logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
+    text_offsets: list[int] = field(default_factory=list)
+    """Per output token, where its text begins in ``text`` (characters)."""

@@ -28,16 +28,16 @@ def _token_text(state: ServerState, token_id: int) -> str:
     return state.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def _completion_logprobs(state: ServerState, lps, text_offset: int = 0) -> dict[str, Any]:
-    tokens, token_logprobs, top, offsets = [], [], [], []
-    pos = text_offset
+def _completion_logprobs(state: ServerState, lps, offsets: list[int]) -> dict[str, Any]:
+    """``offsets``: where each token's text begins in the choice's text (the detokenizer's, so
+    they agree with ``text`` whatever the tokenizer does with spaces and special tokens)."""
+    tokens, token_logprobs, top = [], [], []
     for lp in lps:
-        s = _token_text(state, lp.token_id)
-        tokens.append(s)
+        tokens.append(_token_text(state, lp.token_id))
         token_logprobs.append(lp.logprob)
         top.append({_token_text(state, t): v for t, v in lp.top})
-        offsets.append(pos)
-        pos += len(s)
+    offsets = list(offsets[: len(lps)]) or [0]
+    offsets += offsets[-1:] * (len(lps) - len(offsets))  # tokens past a stop string: at its end
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
@@ -66,7 +66,7 @@ def full_response(state: ServerState, jobs: list[Job], finals: dict[int, Request
         else:
             choices.append({
                 "index": job.index, "text": out.text,
-                "logprobs": _completion_logprobs(state, out.logprobs) if want_lp else None,
+                "logprobs": _completion_logprobs(state, out.logprobs, out.text_offsets) if want_lp else None,
                 "finish_reason": out.finish_reason,
             })
     return {
@@ -83,7 +83,6 @@ async def sse_stream(state: ServerState, stream: AsyncIterator[tuple[Job, Reques
                      rid: str, created: int, chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
     obj = "chat.completion.chunk" if chat else "text_completion"
     sent_lp: dict[int, int] = {}
-    text_offset: dict[int, int] = {}
     finals: dict[int, RequestOutput] = {}
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
@@ -103,7 +102,8 @@ async def sse_stream(state: ServerState, stream: AsyncIterator[tuple[Job, Reques
                 err = APIError(500, f"the engine failed while running this request: {out.error}")
                 yield _event(err.body())
                 break
-            new_lps = out.logprobs[sent_lp.get(job.index, 0):]
+            first_lp = sent_lp.get(job.index, 0)
+            new_lps = out.logprobs[first_lp:]
             sent_lp[job.index] = len(out.logprobs)
             want_lp = job.request.params.logprobs is not None
             if not out.delta_text and not out.finished and not (want_lp and new_lps):
@@ -113,11 +113,10 @@ async def sse_stream(state: ServerState, stream: AsyncIterator[tuple[Job, Reques
                 choice = {"index": job.index, "delta": {"content": out.delta_text},
                           "logprobs": _chat_logprobs(state, new_lps) if want_lp else None, "finish_reason": reason}
             else:
-                off = text_offset.get(job.index, 0)
+                offsets = out.text_offsets[first_lp:first_lp + len(new_lps)] or out.text_offsets[-1:]
                 choice = {"index": job.index, "text": out.delta_text,
-                          "logprobs": _completion_logprobs(state, new_lps, off) if want_lp else None,
+                          "logprobs": _completion_logprobs(state, new_lps, offsets) if want_lp else None,
                           "finish_reason": reason}
-                text_offset[job.index] = off + len(out.delta_text)
             if out.finished:
                 finals[job.index] = out
             yield chunk([choice])
