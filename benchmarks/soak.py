@@ -322,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--concurrency", type=int, default=72, help="clients at once (3x the default capacity)")
     p.add_argument("--model", default="tiny", help="'tiny' (random, built here), 'default', or a --model value")
-    p.add_argument("--server-args", default="--max-num-seqs 8 --max-waiting 16",
-                   help="extra `tandem serve` flags (the default keeps capacity at 24 requests)")
+    p.add_argument("--server-args", default="--max-num-seqs 8 --max-waiting 16 --admission-queue 16 --admission-timeout 2",
+                   help="extra `tandem serve` flags (the default keeps capacity at 24 requests, and 16 more in line for admission for up to 2 s, so overload is refused with 429s)")
     p.add_argument("--min-tokens", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--retries", type=int, default=3, help="times a refused (429) request is retried")
