@@ -134,6 +134,7 @@ ROWS = [
     Row("n-negative", C, comp(n=-1), param="n"),
     Row("n-huge", C, comp(n=2 ** 64), param="n"),
     Row("n-string", C, comp(n="2"), param="n"),
+    Row("n-times-prompts-beyond-the-queue", C, comp(prompt=["w1"] * 20, n=16), param="n"),
     Row("chat-n-0", CHAT, chat(n=0), param="n"),
     Row("logprobs-21", C, comp(logprobs=21), param="logprobs"),
     Row("logprobs-negative", C, comp(logprobs=-1), param="logprobs"),

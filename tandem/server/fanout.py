@@ -59,7 +59,12 @@ def make_jobs(state: ServerState, prompts: list, params: SamplingParams, n: int,
 
 async def submit(state: ServerState, jobs: list[Job]) -> list[asyncio.Queue]:
     """Hand every job to the engine loop, or none of them: 429 when there is no room in time (see
-    admission.py), 503 once shutdown began."""
+    admission.py), 503 once shutdown began; 400 for more jobs than the waiting queue can ever
+    hold, since retrying would never help."""
+    bound = state.async_engine.max_waiting
+    if len(jobs) > bound:
+        raise bad_request(f"n: this request needs {len(jobs)} sequences (prompts x n), more than the server "
+                          f"ever queues at once ({bound}, --max-waiting)", "n")
     try:
         return await state.async_engine.submit_all([job.request for job in jobs])
     except QueueFull as exc:
