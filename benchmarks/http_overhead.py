@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from tandem.bench.launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DATASET = ROOT.parent / "shared" / "datasets" / "sharegpt_v3_first_turn_1000.json"
@@ -55,10 +56,6 @@ def load_prompts(tokenizer, n: int, input_len: int) -> list[list[int]]:
     return prompts
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def fire(url: str, prompts: list[list[int]], output_len: int) -> tuple[float, int]:

@@ -12,7 +12,6 @@ import math
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from tandem.bench.launch import free_port
 from tandem.bench.progress import RunProgress
 from tandem.bench.replay import RunData, run_openai
 from tandem.bench.summary import summarize_run
@@ -75,10 +75,6 @@ def run_level(label: str, level: Level, runner) -> dict:
 
 # --- HTTP peers (tandem, llama-server) -----------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -23,18 +23,17 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from pathlib import Path
 
 import httpx
+
+from tandem.bench.launch import ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = {  # kind: share of the requests
@@ -54,12 +53,6 @@ MALFORMED = [  # (content type, body): each must get a 4xx, never a 5xx
     ("application/json", b'\xff\xfe{"prompt": "Hi"}'),
     ("text/plain", b'{"prompt": "Hi", "max_tokens": 4}'),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_bytes(pid: int) -> int | None:
@@ -89,41 +82,12 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-class Server:
+class Server(ServerProcess):
     def __init__(self, model_args: list[str], extra: list[str]) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(self.port), *model_args, *extra]
-        self.cmd = cmd
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.log: list[str] = []
-        threading.Thread(target=self._drain, daemon=True).start()
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + "".join(self.log))
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("server did not start:\n" + "".join(self.log))
-
-    def _drain(self) -> None:
-        for line in self.proc.stdout:
-            self.log.append(line)
-
-    def stop(self, timeout: float = 60) -> tuple[int, float]:
-        start = time.monotonic()
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            code = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = -9
-        return code, time.monotonic() - start
+        super().__init__([sys.executable, "-m", "tandem.cli", "serve", "--port", str(self.port), *model_args, *extra],
+                         f"http://127.0.0.1:{self.port}", env=env)
 
 
 class Soak:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from tandem.bench.launch import free_port
 from tandem.config import EngineConfig, ServerConfig
 from tandem.server.routes import create_app
 from tandem.server.state import ServerState, build_state
@@ -105,10 +105,6 @@ class InProcessApp:
             self.loop.close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ThreadedServer:

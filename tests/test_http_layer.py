@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import socket
 import threading
 import time
 
@@ -19,6 +18,7 @@ import httpx
 import pytest
 import uvicorn
 
+from tandem.bench.launch import free_port
 from tandem.config import EngineConfig, ServerConfig
 from tandem.server import openai_format
 from tandem.server.browser import allowed_host_names, host_name, is_json_type
@@ -27,10 +27,6 @@ from tandem.server.state import build_state
 from tiny_models import save_tiny
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +46,7 @@ def state(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def url(state):
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

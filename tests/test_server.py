@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -17,51 +14,23 @@ import httpx
 import openai
 import pytest
 
+from tandem.bench.launch import ServerProcess, free_port
 from tiny_models import save_tiny
 
 API_KEY = "test-key"
 MODEL = "tiny"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
+class Server(ServerProcess):
     def __init__(self, model_dir: Path, *extra: str) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", str(model_dir), "--port", str(self.port),
-               "--served-model-name", MODEL, "--dtype", "float32", "--num-kv-blocks", "1024", "--block-size", "4",
-               *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.log: list[str] = []
-        threading.Thread(target=self._drain, daemon=True).start()
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + "".join(self.log))
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("server did not start:\n" + "".join(self.log))
-
-    def _drain(self) -> None:
-        for line in self.proc.stdout:
-            self.log.append(line)
+        super().__init__([sys.executable, "-m", "tandem.cli", "serve", "--model", str(model_dir), "--port",
+                          str(self.port), "--served-model-name", MODEL, "--dtype", "float32", "--num-kv-blocks",
+                          "1024", "--block-size", "4", *extra], f"http://127.0.0.1:{self.port}",
+                         startup_timeout=120)
 
     def stop(self) -> int:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            return self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return -9
+        return super().stop(timeout=30)[0]
 
 
 @pytest.fixture(scope="module")
