@@ -99,8 +99,8 @@ class VTC:
         if left > 0:
             self._live[user] = left
             return
-        self._live.pop(user, None)
-        self.floor()  # remember the floor before this user's counter stops counting
+        self.floor()  # the last user to leave sets the floor its successors start from
+        del self._live[user]
         if len(self.counters) > PRUNE_AT:
             self._prune()
 

@@ -24,7 +24,7 @@ _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.
             20.0, 40.0, 80.0, 160.0, 640.0)
 _ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-VTC_SNAPSHOT_S = 1.0  # the fairness counters are copied for /metrics at most this often (engine time)
+VTC_SNAPSHOT_S = 1.0  # a busy engine's fairness counters are copied for /metrics at most this often
 
 
 class ServerMetrics:
@@ -112,7 +112,8 @@ class ServerMetrics:
         if s.num_recomputed_tokens and s.error is None:
             self.recomputed.labels(lm).inc(s.num_recomputed_tokens)
         counters = getattr(engine.scheduler.fairness, "counters", None)
-        if counters is not None and s.start - self._vtc_at >= VTC_SNAPSHOT_S:
+        idle = not (engine.num_running or engine.num_waiting)  # the counters stay as they are now
+        if counters is not None and (idle or s.start - self._vtc_at >= VTC_SNAPSHOT_S):
             self._vtc_at = s.start
             self.users.set_counters(dict(counters))  # copied here: the engine loop is what changes them
         self.running.labels(lm).set(engine.num_running)
