@@ -4,7 +4,8 @@ Each field carries its help text in ``metadata``; the CLI builds its flags from 
 dataclasses (see ``tandem.cli_args``), so a default or a description lives here only.
 ``validate()`` raises ``ValueError`` naming the offending field.
 
-This module imports no torch: the scheduling core and a simulator use it too.
+This module imports no torch: the scheduling core and a simulator use it too. Longer than 300
+lines: every knob lives here by design, so one file holds all defaults and help texts.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from tandem.core.fairness import FAIRNESS_REGISTRY
 from tandem.core.policies import POLICY_REGISTRY
 from tandem.ops.modes import KERNEL_MODES
 
 POLICIES = tuple(POLICY_REGISTRY)  # the registry is the one list; this is its CLI view
+FAIRNESS = tuple(FAIRNESS_REGISTRY)
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("auto", "none", "int8", "w8a8", "int4")
@@ -60,6 +63,19 @@ class SchedulerConfig:
             "them; 0 means no cap"
         ),
     )
+    fairness: str = field(
+        default="fcfs",
+        metadata=_help(
+            "order of admission within one priority level: 'fcfs' (earliest arrival first), 'vtc' "
+            "(fair sharing between users: the user with the least weighted service so far goes "
+            "first; users are named by the request's 'user' field or the X-Tandem-User header)",
+            choices=FAIRNESS,
+        ),
+    )
+    vtc_prefill_weight: float = field(
+        default=1.0, metadata=_help("vtc: service counted per prompt token computed (recomputation is free)")
+    )
+    vtc_decode_weight: float = field(default=2.0, metadata=_help("vtc: service counted per output token"))
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -68,6 +84,12 @@ class SchedulerConfig:
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _non_negative_int("long_prefill_token_threshold", self.long_prefill_token_threshold)
         _non_negative_int("max_long_partial_prefills", self.max_long_partial_prefills)
+        if self.fairness not in FAIRNESS:
+            raise ValueError(f"fairness: must be one of {', '.join(FAIRNESS)}, got {self.fairness!r}")
+        for name in ("vtc_prefill_weight", "vtc_decode_weight"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
+                raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
         if self.max_long_partial_prefills and not self.long_prefill_token_threshold:
             raise ValueError(
                 "max_long_partial_prefills: needs long_prefill_token_threshold > 0 to tell "
@@ -274,6 +296,8 @@ class ServerConfig:
         "0 refuses at once when the waiting queue is full"))
     admission_timeout: float = field(default=10.0, metadata=_help(
         "seconds a request may wait in the admission queue before 429 with Retry-After"))
+    metrics_top_users: int = field(default=10, metadata=_help(
+        "per-user series in /metrics for this many users (most tokens first); the rest are summed as user=\"other\""))
 
     def validate(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -295,3 +319,4 @@ class ServerConfig:
                 raise ValueError(f"{name}: must be {'>= 0' if least == 0 else '> 0'}, got {value!r}")
         _positive_int("max_connections", self.max_connections)
         _non_negative_int("admission_queue", self.admission_queue)
+        _non_negative_int("metrics_top_users", self.metrics_top_users)

@@ -5,9 +5,10 @@ counter tracks for KV usage and queue lengths. Process "requests" has one track 
 named by its request id (for the server, the ``cmpl-…``/``chatcmpl-…`` id the client sees, with
 ``-<choice>`` when one response has several): a "request" span from arrival to the end of its
 last step, holding a "queued" span from arrival to its first step, then one span per step that
-carried the request — "prefill" chunks with their token counts, then "decode" — so a long
-prompt's chunks can be seen riding along with other requests' decode steps. Spans on a track
-nest or follow each other, never overlap, as Perfetto requires.
+carried the request — "prefill" chunks with their token counts, then "decode", and "recompute"
+where a preempted request computes its KV again — so a long prompt's chunks can be seen riding
+along with other requests' decode steps, and what preemption cost. Spans on a track nest or
+follow each other, never overlap, as Perfetto requires.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import threading
 from pathlib import Path
 
-from tandem.core.outputs import RequestOutput, StepStats
+from tandem.core.outputs import ChunkStat, RequestOutput, StepStats
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,16 @@ def _span(start: float, end: float) -> dict:
     too (fractions would not survive the float sums of the reader)."""
     ts = _us(start)
     return {"ts": ts, "dur": max(_us(end) - ts, 0)}
+
+
+def _chunk_name(c: ChunkStat) -> str:
+    if c.is_decode:
+        return "decode"
+    # a chunk that recomputes is named for that, its cost being the preemption's; the args carry
+    # both counts (its last position, the newest output token, was never cached)
+    if c.num_recomputed_tokens:
+        return f"recompute {c.num_recomputed_tokens} tok"
+    return f"prefill {c.num_tokens} tok"
 
 
 class TraceRecorder:
@@ -79,7 +90,7 @@ class TraceRecorder:
                 "args": {
                     "step": s.step_id, "kind": s.kind, "prefill_tokens": s.num_prefill_tokens,
                     "decode_tokens": s.num_decode_tokens, "seqs": s.num_seqs, "kv_blocks_used": s.kv_blocks_used,
-                    "preempted": s.num_preempted, "error": s.error,
+                    "preempted": s.num_preempted, "recomputed_tokens": s.num_recomputed_tokens, "error": s.error,
                 },
             })
             self.events.append({"ph": "C", "pid": _ENGINE_PID, "ts": ts, "name": "kv_blocks_used",
@@ -89,10 +100,10 @@ class TraceRecorder:
             for c in s.chunks:
                 first, _ = self._steps_of.get(c.request_id, (s.start, 0.0))
                 self._steps_of[c.request_id] = (first, s.start + s.duration)
-                name = "decode" if c.is_decode else f"prefill {c.num_tokens} tok"
                 self.events.append({
                     "ph": "X", "pid": _REQUESTS_PID, "tid": self._tid(c.request_id), **span,
-                    "name": name, "args": {"step": s.step_id, "positions": [c.start, c.start + c.num_tokens]},
+                    "name": _chunk_name(c), "args": {"step": s.step_id, "positions": [c.start, c.start + c.num_tokens],
+                                                     "recomputed_tokens": c.num_recomputed_tokens},
                 })
 
     def on_finish(self, out: RequestOutput) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ from tandem.config import EngineConfig, SchedulerConfig
 
 # Knobs a configuration may set, with their CLI flag names.
 TUNABLE = {f.name for f in dataclasses.fields(SchedulerConfig)}
+_KINDS = typing.get_type_hints(SchedulerConfig)  # how each key's value is read: str, int or float
 
 
 @dataclass
@@ -36,7 +38,11 @@ class Candidate:
             key = key.strip().replace("-", "_")
             if not eq or key not in TUNABLE:
                 raise ValueError(f"configs: {part!r} is not KEY=VALUE with KEY in {', '.join(sorted(TUNABLE))}")
-            overrides[key] = value.strip() if key == "policy" else int(value)
+            kind = _KINDS[key] if _KINDS[key] in (str, int, float) else str
+            try:
+                overrides[key] = kind(value.strip())
+            except ValueError:
+                raise ValueError(f"configs: {part!r}: {key} takes a {kind.__name__}") from None
         SchedulerConfig(**overrides).validate()
         return cls(name or describe(overrides), overrides)
 
@@ -47,6 +53,8 @@ def describe(o: dict[str, Any]) -> str:
         text += f" chunk={o['max_num_batched_tokens']}" if text == "chunked" else f" budget={o['max_num_batched_tokens']}"
     if "max_num_seqs" in o:
         text += f" seqs={o['max_num_seqs']}"
+    if o.get("fairness", "fcfs") != "fcfs":
+        text += f" {o['fairness']}"
     if o.get("long_prefill_token_threshold"):
         text += f" cap={o['long_prefill_token_threshold']}x{o.get('max_long_partial_prefills', 0) or 'inf'}"
     return text

@@ -19,7 +19,7 @@ from tandem.bench.config import BenchConfig
 from tandem.bench.progress import RunProgress
 from tandem.bench.report import save_figure, write_report
 from tandem.bench.replay import RunData, run_inprocess, run_openai
-from tandem.bench.summary import parse_goodput, per_class, summarize_run
+from tandem.bench.summary import counter_delta, parse_goodput, per_class, summarize_run
 from tandem.bench.prompts import PlainTokenizer, build_requests
 from tandem.bench.workload import ArrivalSpec, LengthDist, RequestClass, Workload
 from tandem.config import EngineConfig
@@ -138,6 +138,7 @@ def run_once(cfg: BenchConfig, w: Workload, engine_config: EngineConfig | None, 
         offsets = [r.arrival_s or 0.0 for r in requests]
     else:
         offsets = arrival_offsets(w.arrival, len(requests), w.seed)
+    recomputed_before = engine.scheduler.num_recomputed_tokens if engine is not None else 0
     with RunProgress(len(requests), meta["label"]) as progress:
         if cfg.backend == "inprocess":
             data = run_inprocess(engine, requests, offsets, w.arrival, cfg.ignore_eos, cfg.max_duration, progress)
@@ -154,6 +155,10 @@ def run_once(cfg: BenchConfig, w: Workload, engine_config: EngineConfig | None, 
     slos = parse_goodput(cfg.goodput)
     summary = summarize_run(data.results, data.duration, cfg.percentiles, cfg.metrics, slos)
     classes = per_class(data.results, data.duration, cfg.percentiles, cfg.metrics, slos)
+    recomputed = (engine.scheduler.num_recomputed_tokens - recomputed_before if cfg.backend == "inprocess"
+                  else counter_delta(data.samples, "recomputed_tokens"))
+    if recomputed is not None:
+        summary["recomputed_tokens"] = recomputed
     if data.samples:
         keys = sorted({k for _, g in data.samples for k in g})
         meta["server_metrics"] = {k: [[t, g.get(k)] for t, g in data.samples] for k in keys}

@@ -30,6 +30,7 @@ SCRAPED = {
     "mfu": ("tandem:model_flops_utilization",),
     "mbu": ("tandem:memory_bandwidth_utilization",),
     "busy": ("tandem:engine_busy_fraction",),
+    "recomputed_tokens": ("tandem:recomputed_tokens_total",),  # a counter: a run reads its delta
 }
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
@@ -62,6 +63,16 @@ class RunData:
 
 
 Progress = Callable[[RequestResult], None]
+
+
+async def _scrape_once(client: httpx.AsyncClient, url: str, clock, out: list) -> None:
+    try:
+        r = await client.get(url, timeout=5)
+    except httpx.HTTPError:
+        return
+    gauges = parse_gauges(r.text) if r.status_code == 200 else {}
+    if gauges:
+        out.append((clock(), gauges))
 
 
 async def _scrape(client: httpx.AsyncClient, url: str, clock, interval: float, out: list, notes: list[str]) -> None:
@@ -131,6 +142,8 @@ async def run_openai(
         await asyncio.gather(*pending, return_exceptions=True)
         scraper.cancel()
         await asyncio.gather(scraper, return_exceptions=True)
+        if samples:  # one last reading, so counters' deltas cover the whole run
+            await _scrape_once(client, base_url.rstrip("/") + "/metrics", clock, samples)
         duration = clock()
     results = []
     for req, task in zip(requests, tasks):

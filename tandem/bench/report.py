@@ -132,7 +132,7 @@ def markdown(summary: dict, classes: dict[str, dict], meta: dict) -> str:
     lines.append("")
     lines += ["| metric | value |", "|---|---|"]
     order = ["completed", "failed", "duration", "request_throughput", "output_throughput", "total_token_throughput",
-             "request_goodput"]
+             "request_goodput", "recomputed_tokens"]
     units = {"duration": " s", "request_throughput": " req/s", "output_throughput": " tok/s",
              "total_token_throughput": " tok/s", "request_goodput": " req/s"}
     for k in order:

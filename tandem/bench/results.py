@@ -17,6 +17,7 @@ def row(ev: Evaluation) -> dict:
         "median_itl_ms": s["median_itl_ms"], "p99_itl_ms": s["p99_itl_ms"],
         "p99_stall_ms": s["p99_stall_ms"], "request_goodput": s.get("request_goodput"),
         "mfu": ev.mfu, "mbu": ev.mbu, "preemptions": ev.preemptions,
+        "recomputed_tokens": sum(s.num_recomputed_tokens for s in ev.steps),
         "steps": len(ev.steps),
     }
 

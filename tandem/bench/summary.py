@@ -80,6 +80,13 @@ def summarize_run(results: list[RequestResult], duration: float, percentiles: Se
     return out
 
 
+def counter_delta(samples: list[tuple[float, dict[str, float]]], key: str) -> float | None:
+    """How much a server counter scraped during a run grew (its last value less its first); None
+    when the server does not export it."""
+    values = [g[key] for _, g in samples if key in g]
+    return values[-1] - values[0] if values else None
+
+
 def per_class(results: list[RequestResult], duration: float, percentiles: Sequence[float],
               metrics: Sequence[str], slos: dict[str, float] | None) -> dict[str, dict]:
     names = sorted({r.class_name for r in results})

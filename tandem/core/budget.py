@@ -90,6 +90,7 @@ class StepBudget:
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks; it recomputes its tokens when readmitted."""
         self.allocator.free(request.request_id)
+        request.num_cached_ever = max(request.num_cached_ever, request.num_computed_tokens)
         request.num_computed_tokens = 0
         request.timing.num_preemptions += 1
         self.queues.requeue(request)
@@ -97,10 +98,12 @@ class StepBudget:
 
     def _pick_victim(self, exclude: Request) -> Request | None:
         # Only requests that rank below ``exclude`` may be preempted for it, so the request
-        # that ranks first always makes progress (no livelock).
+        # that ranks first always makes progress (no livelock). The rank comes from the
+        # fairness ordering and is fixed for a request's life (see tandem.core.fairness).
+        rank = self.queues.rank_key
         candidates = [
             r
             for r in self.queues.running
-            if r.request_id not in self._scheduled and r.sort_key() > exclude.sort_key()
+            if r.request_id not in self._scheduled and rank(r) > rank(exclude)
         ]
-        return max(candidates, key=Request.sort_key, default=None)
+        return max(candidates, key=rank, default=None)

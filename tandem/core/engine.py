@@ -80,9 +80,10 @@ class Engine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        user: str = "",
     ) -> str:
         """Validate and queue a request; raises ValueError naming the bad field."""
-        return self.add(self.make_request(prompt, params, request_id, arrival_time, priority))
+        return self.add(self.make_request(prompt, params, request_id, arrival_time, priority, user))
 
     def make_request(
         self,
@@ -91,6 +92,7 @@ class Engine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        user: str = "",
     ) -> Request:
         """Tokenize and validate without touching the engine's state (safe from other threads)."""
         params = params if params is not None else SamplingParams()
@@ -99,6 +101,8 @@ class Engine:
         params.validate()
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority: must be an integer, got {priority!r}")
+        if not isinstance(user, str):
+            raise ValueError(f"user: must be a string, got {type(user).__name__}")
         text, ids = self._prompt_ids(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(
@@ -114,6 +118,7 @@ class Engine:
             eos_token_ids=tuple(self.tokenizer.eos_token_ids),
             priority=priority,
             prompt=text,
+            user=user,
         )
         self.scheduler.check_fits(request)
         return request
@@ -248,6 +253,7 @@ class Engine:
             logprobs=request.logprobs,
             error=error,
             text_offsets=list(detok.offsets),
+            user=request.user,
         )
 
     def _record(self, start: float, out: SchedulerOutput, result: RunnerOutput, error: str | None) -> None:
@@ -267,8 +273,10 @@ class Engine:
             num_running=self.num_running,
             error=error,
             chunks=tuple(
-                ChunkStat(c.request_id, c.start, c.num_tokens, c.is_decode, c.samples) for c in out.chunks
+                ChunkStat(c.request_id, c.start, c.num_tokens, c.is_decode, c.samples, c.num_recomputed_tokens)
+                for c in out.chunks
             ),
+            num_recomputed_tokens=out.num_recomputed_tokens,
         )
         if self.record_steps:
             self.step_stats.append(stats)

@@ -17,6 +17,8 @@ class ChunkStat:
     num_tokens: int
     is_decode: bool
     samples: bool
+    num_recomputed_tokens: int = 0
+    """Of ``num_tokens``, those computed before (recomputation after a preemption)."""
 
 
 @dataclass
@@ -36,6 +38,8 @@ class StepStats:
     num_running: int
     error: str | None = None
     chunks: tuple[ChunkStat, ...] = ()
+    num_recomputed_tokens: int = 0
+    """Of ``num_prefill_tokens``, those recomputed after a preemption rather than prefilled first-time."""
 
     @property
     def num_sampled(self) -> int:
@@ -62,3 +66,5 @@ class RequestOutput:
     error: str | None = None
     text_offsets: list[int] = field(default_factory=list)
     """Per output token, where its text begins in ``text`` (characters)."""
+    user: str = ""
+    """The request's user (fair sharing's tenant; "" anonymous)."""

@@ -44,7 +44,7 @@ def _decode_running(queues: RequestQueues, budget: StepBudget) -> None:
 
 
 def _admit_whole_prompts(queues: RequestQueues, budget: StepBudget, reserve_output: bool, token_budget: bool) -> None:
-    for request in list(queues.waiting):
+    for request in queues.admission_order():
         n = request.num_uncomputed_tokens
         if token_budget and budget.planned and n > budget.tokens_left:
             break
@@ -104,7 +104,7 @@ class ChunkedPolicy:
                 budget.schedule_running(request, self._chunk(request, budget.tokens_left))
         # 3. New prompts, in rank order; long ones wait while the long-prefill cap is reached.
         long_active = sum(1 for r in queues.running if r.is_prefilling and self._is_long(r))
-        for request in list(queues.waiting):
+        for request in queues.admission_order():
             if budget.tokens_left <= 0 or not budget.has_seat:
                 break
             is_long = self._is_long(request)

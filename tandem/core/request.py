@@ -74,6 +74,8 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     priority: int = 0
     prompt: str | None = None
+    user: str = ""
+    """The tenant fair sharing counts service for ("" is the anonymous user)."""
 
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -82,6 +84,10 @@ class Request:
     finish_reason: FinishReason | None = None
     arrival_index: int = 0
     """Order of arrival, for FCFS ties; set by the scheduler."""
+    num_cached_ever: int = 0
+    """The most tokens that ever had KV at once: positions below it that are computed again
+    after a preemption are recomputation, not first-time prefill."""
+    num_recomputed_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.timing = RequestTiming(arrival=self.arrival_time)
@@ -101,6 +107,15 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_new_prompt_tokens(self) -> int:
+        """Prompt tokens whose KV was never computed (a recompute does not count)."""
+        return max(0, self.num_prompt_tokens - max(self.num_cached_ever, self.num_computed_tokens))
+
+    def recomputed_in(self, start: int, end: int) -> int:
+        """How many of positions ``[start, end)`` had their KV computed before."""
+        return max(0, min(end, self.num_cached_ever) - start)
 
     @property
     def is_prefilling(self) -> bool:

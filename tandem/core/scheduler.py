@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Callable
 
 from tandem.config import SchedulerConfig
-from tandem.core.budget import StepBudget
+from tandem.core.budget import Planned, StepBudget
+from tandem.core.fairness import make_fairness
 from tandem.core.kv_blocks import BlockAllocator
 from tandem.core.policies import make_policy
 from tandem.core.queues import RequestQueues
@@ -35,7 +36,8 @@ class Scheduler:
         self.allocator = allocator
         self.clock = clock
         self.policy = make_policy(config.policy, config)
-        self.queues = RequestQueues()
+        self.fairness = make_fairness(config.fairness, config)
+        self.queues = RequestQueues(self.fairness)
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
         self._step_id = 0
@@ -43,6 +45,7 @@ class Scheduler:
         self._in_flight: dict[str, Request] = {}  # the requests of the step being run
         self.watermark_blocks = max(1, allocator.num_blocks // WATERMARK_DIVISOR)
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
 
     @property
     def waiting(self) -> list[Request]:
@@ -60,7 +63,7 @@ class Scheduler:
         request.arrival_index = self._arrivals
         self._arrivals += 1
         self.requests[request.request_id] = request
-        self.queues.enqueue(request)
+        self.queues.add(request)
 
     def check_fits(self, request: Request) -> None:
         """Reject, at admission, a request that could never fit in the whole KV cache."""
@@ -103,6 +106,8 @@ class Scheduler:
         )
         self.policy.schedule(self.queues, budget)
         self.num_preemptions += len(budget.preempted)
+        for p in budget.planned:
+            self._charge(p)
         now = self.clock()
         chunks = []
         self._in_flight = {}
@@ -121,6 +126,7 @@ class Scheduler:
                 samples=samples,
                 is_decode=p.num_tokens == 1 and samples and request.num_output_tokens > 0,
                 num_prompt_tokens=request.num_prompt_tokens,
+                num_recomputed_tokens=request.recomputed_in(p.start, end),
             ))
             self._in_flight[request.request_id] = request
         finished, self._finished_since_step = self._finished_since_step, []
@@ -131,6 +137,13 @@ class Scheduler:
             finished_ids=tuple(finished),
         )
 
+    def _charge(self, p: Planned) -> None:
+        """Count a planned slice as service to its user: prompt tokens computed for the first
+        time, and the token it samples; recomputation is the scheduler's cost, not the user's."""
+        request, end = p.request, p.start + p.num_tokens
+        new_prompt = max(0, min(end, request.num_prompt_tokens) - max(p.start, request.num_cached_ever))
+        self.fairness.charge(request, new_prompt, int(end == request.num_tokens))
+
     def update(self, output: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         """Apply a finished step; returns the requests that received a token."""
         now = self.clock()
@@ -140,6 +153,8 @@ class Scheduler:
             if request.is_finished:  # aborted while the step ran
                 continue
             request.num_computed_tokens = chunk.end
+            request.num_recomputed_tokens += chunk.num_recomputed_tokens
+            self.num_recomputed_tokens += chunk.num_recomputed_tokens
             if not chunk.samples:
                 continue
             sampled = result.sampled[request.request_id]

@@ -56,6 +56,8 @@ class ScheduledChunk:
     """One token of a request that already has output (not a prompt or a recompute)."""
     num_prompt_tokens: int
     """Prompt length of the request: positions below it are prompt, the rest output."""
+    num_recomputed_tokens: int = 0
+    """Of these tokens, how many had their KV computed before (a preempted request's recompute)."""
 
     @property
     def num_tokens(self) -> int:
@@ -89,6 +91,10 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def num_recomputed_tokens(self) -> int:
+        return sum(c.num_recomputed_tokens for c in self.chunks)
 
     @property
     def kind(self) -> str:

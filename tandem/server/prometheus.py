@@ -3,6 +3,7 @@
 Request metrics are observed when a request finishes, from its RequestTiming (the one
 definition of TTFT, ITL, TPOT, E2E and queue time); step metrics after every step, from
 StepStats. Utilization is averaged over the steps of the last ``window_s`` seconds.
+Per-user series (``tandem:user_*``) come from ``tandem.server.user_metrics``.
 """
 
 from __future__ import annotations
@@ -16,16 +17,19 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from tandem.core.engine import Engine
 from tandem.core.outputs import RequestOutput, StepStats
 from tandem.latency import tpot
+from tandem.server.user_metrics import UserMetrics
 from tandem.utilization import ModelCost, Peaks
 
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
             20.0, 40.0, 80.0, 160.0, 640.0)
 _ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+VTC_SNAPSHOT_S = 1.0  # a busy engine's fairness counters are copied for /metrics at most this often
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, cost: ModelCost, peaks: Peaks, window_s: float = 10.0) -> None:
+    def __init__(self, model_name: str, cost: ModelCost, peaks: Peaks, window_s: float = 10.0,
+                 top_users: int = 10) -> None:
         self.registry = r = CollectorRegistry()
         self.cost = cost
         self.peaks = peaks
@@ -52,6 +56,12 @@ class ServerMetrics:
         self.generation_tokens = Counter("tandem:generation_tokens", "Output tokens generated.", m, registry=r)
         self.preemptions = Counter("tandem:num_preemptions", "Requests preempted (KV freed, recomputed later).",
                                    m, registry=r)
+        self.recomputed = Counter("tandem:recomputed_tokens", "Prompt and output tokens whose KV was computed "
+                                  "again after a preemption (not counted as first-time prefill).", m, registry=r)
+        self.recomputed.labels(model_name)  # exported as 0 from the start: a run's delta needs a first value
+        self.users = UserMetrics(model_name, top_users)
+        r.register(self.users)
+        self._vtc_at = float("-inf")
         self.success = Counter("tandem:request_success", "Finished requests by finish reason.",
                                [*m, "finished_reason"], registry=r)
         self.rejected = Counter("tandem:request_rejected", "Requests refused before queueing, by reason.",
@@ -99,6 +109,13 @@ class ServerMetrics:
             self.generation_tokens.labels(lm).inc(s.num_sampled)
         if s.num_preempted:
             self.preemptions.labels(lm).inc(s.num_preempted)
+        if s.num_recomputed_tokens and s.error is None:
+            self.recomputed.labels(lm).inc(s.num_recomputed_tokens)
+        counters = getattr(engine.scheduler.fairness, "counters", None)
+        idle = not (engine.num_running or engine.num_waiting)  # the counters stay as they are now
+        if counters is not None and (idle or s.start - self._vtc_at >= VTC_SNAPSHOT_S):
+            self._vtc_at = s.start
+            self.users.set_counters(dict(counters))  # copied here: the engine loop is what changes them
         self.running.labels(lm).set(engine.num_running)
         self.waiting.labels(lm).set(engine.num_waiting)
         self.kv_usage.labels(lm).set(s.kv_blocks_used / s.kv_blocks_total)
@@ -122,6 +139,7 @@ class ServerMetrics:
         lm, t = self._model, out.timing
         self.success.labels(lm, out.finish_reason or "unknown").inc()
         self.prompt_tokens.labels(lm).inc(len(out.prompt_token_ids))
+        self.users.observe(out.user, len(out.prompt_token_ids), len(out.token_ids))
         self.prompt_hist.labels(lm).observe(len(out.prompt_token_ids))
         self.gen_hist.labels(lm).observe(len(out.token_ids))
         if t.queue_time is not None:

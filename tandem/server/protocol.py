@@ -17,6 +17,11 @@ SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
 """The seeds a request may give; a choice ``j`` of ``n`` is seeded ``seed + j``, which the
 sampler's 64 bits still hold."""
 
+USER_HEADER = "X-Tandem-User"
+"""Names the request's user (fair sharing's tenant) instead of the body's ``user``; it wins over
+the body, since a gateway in front of the server sets it from the credentials it checked."""
+MAX_USER_CHARS = 256
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
@@ -106,6 +111,15 @@ class _Common(BaseModel):
     priority: Int = 0
     stop_token_ids: list[Int] | None = None
 
+    def tenant(self, header: str | None) -> str:
+        """The user this request is served for: the ``X-Tandem-User`` header, else the body's
+        ``user``, else "" (anonymous). Both are checked when given."""
+        if self.user is not None:
+            check_user(self.user, "user")
+        if header is not None:
+            return check_user(header, f"user: the {USER_HEADER} header")
+        return self.user or ""
+
     def _sampling(self, max_tokens: int | None, logprobs: int | None, default_max: int | None) -> SamplingParams:
         """Fields the client left out keep SamplingParams' defaults (OpenAI's); ``default_max``
         replaces the default ``max_tokens`` where the route's default differs (chat)."""
@@ -136,6 +150,12 @@ class _Common(BaseModel):
             )
         except ValueError as exc:
             raise from_value_error(exc) from None
+
+
+def check_user(value: str, what: str) -> str:
+    if not 1 <= len(value) <= MAX_USER_CHARS or not value.isprintable():
+        raise bad_request(f"{what} must be 1 to {MAX_USER_CHARS} printable characters, got {value[:64]!r}", "user")
+    return value
 
 
 class CompletionRequest(_Common):

@@ -29,6 +29,7 @@ from tandem.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    USER_HEADER,
     bad_request,
     validate,
 )
@@ -142,9 +143,10 @@ def create_app(state: ServerState) -> FastAPI:
         _check_model(state, req.model)
         params = req.sampling_params()  # SamplingParams' defaults are OpenAI's
         prompts = req.prompts()
+        user = req.tenant(request.headers.get(USER_HEADER))
         jobs = await off_loop(state, make_jobs, state, prompts, params, req.n, req.priority, arrival,
                               default_max=False, explicit_max=req.max_tokens is not None,
-                              response_id=response_id(chat=False))
+                              response_id=response_id(chat=False), user=user)
         return await _respond(state, request, jobs, req, chat=False)
 
     @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
@@ -154,11 +156,13 @@ def create_app(state: ServerState) -> FastAPI:
         _check_model(state, req.model)
         # chat's default max_tokens: the room left in the context (see core/sampling_params.py)
         params = req.sampling_params(state.engine.max_model_len)
+        user = req.tenant(request.headers.get(USER_HEADER))
         text = await off_loop(state, _render_chat, state, req.messages, req)
         explicit = req.max_tokens is not None or req.max_completion_tokens is not None
         with req.field_names():
             jobs = await off_loop(state, make_jobs, state, [text], params, req.n, req.priority, arrival,
-                                  default_max=not explicit, explicit_max=explicit, response_id=response_id(chat=True))
+                                  default_max=not explicit, explicit_max=explicit, response_id=response_id(chat=True),
+                                  user=user)
         return await _respond(state, request, jobs, req, chat=True)
 
     return app

@@ -59,7 +59,7 @@ def build_state(engine_config: EngineConfig, server_config: ServerConfig) -> Ser
                       server_config.peak_memory_bandwidth or measured.bytes_per_s, measured=True)
     log.info("peaks for utilization: %.1f GFLOP/s, %.1f GB/s", peaks.flops_per_s / 1e9, peaks.bytes_per_s / 1e9)
     cost = loaded.cost()
-    metrics = ServerMetrics(name, cost, peaks)
+    metrics = ServerMetrics(name, cost, peaks, top_users=server_config.metrics_top_users)
     paths = loaded.paths()
     metrics.set_paths(paths)
     tracer = TraceRecorder(server_config.trace) if server_config.trace else None
