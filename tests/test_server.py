@@ -260,18 +260,35 @@ def test_queue_bound_gives_429(server):
     lock = threading.Lock()
 
     def fire():
-        r = post(server, "/v1/completions", {"prompt": "w4 w5", "max_tokens": 1000, "ignore_eos": True})
+        # long enough to outlast the whole test's sending, short enough to finish well inside the
+        # timeout on a busy machine
+        r = post(server, "/v1/completions", {"prompt": "w4 w5", "max_tokens": 400, "ignore_eos": True}, timeout=180)
         with lock:
             results.append(r)
 
-    threads = [threading.Thread(target=fire) for _ in range(9)]
+    def started(n: int) -> list[threading.Thread]:
+        threads = [threading.Thread(target=fire) for _ in range(n)]
+        for t in threads:
+            t.start()
+        return threads
+
+    def until(name: str, value: float) -> None:
+        deadline = time.time() + 60
+        while metric(metrics(server), name) < value:
+            assert time.time() < deadline, f"{name} never reached {value}"
+            time.sleep(0.02)
+
+    # fill the batch, then the waiting queue, each before the next arrives: a step may take longer
+    # than the gap between two requests on a busy machine, so sending all at once would race it
+    threads = started(3)
+    until("tandem:num_requests_running", 3)
+    threads += started(3)
+    until("tandem:num_requests_waiting", 3)
+    threads += started(3)
     for t in threads:
-        t.start()
-        time.sleep(0.02)
-    for t in threads:
-        t.join(120)
+        t.join(200)
     codes = sorted(r.status_code for r in results)
-    assert codes.count(200) >= 6 and 429 in codes, codes  # 3 running + 3 waiting fit
+    assert codes == [200] * 6 + [429] * 3, codes  # 3 running + 3 waiting fit
     limited = next(r for r in results if r.status_code == 429)
     assert int(limited.headers["retry-after"]) >= 1 and limited.json()["error"]["type"] == "rate_limit_error"
     assert 'tandem:request_rejected_total{model_name="tiny",reason="queue_full"}' in metrics(server)
