@@ -28,6 +28,13 @@ class RequestResult:
     output_tokens: int = 0
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
+    user: str = ""
+
+    @classmethod
+    def of(cls, req: BenchRequest, send_time: float, **fields) -> "RequestResult":
+        """A result for ``req``, carrying its identity (index, class, user, target lengths)."""
+        return cls(req.index, req.class_name, req.input_len, req.output_len, send_time=send_time, user=req.user,
+                   **fields)
 
     @property
     def ttft(self) -> float | None:
@@ -53,7 +60,7 @@ class RequestResult:
 
     def to_dict(self) -> dict:
         return {
-            "index": self.index, "class": self.class_name, "success": self.success, "error": self.error,
+            "index": self.index, "class": self.class_name, "user": self.user, "success": self.success, "error": self.error,
             "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
             "send_time": self.send_time, "ttft": self.ttft, "e2e": self.e2e, "tpot": self.tpot,
             "stall": self.stall, "token_times": self.token_times,
@@ -67,6 +74,8 @@ def request_body(req: BenchRequest, model: str | None, chat: bool, ignore_eos: b
         body["model"] = model
     if ignore_eos:
         body["ignore_eos"] = True
+    if req.user:
+        body["user"] = req.user
     if chat:
         body["messages"] = [{"role": "user", "content": req.prompt}]
         body["max_completion_tokens"] = req.output_len
@@ -77,7 +86,7 @@ def request_body(req: BenchRequest, model: str | None, chat: bool, ignore_eos: b
 
 async def send(client: httpx.AsyncClient, url: str, req: BenchRequest, body: dict, clock,
                headers: dict[str, str], timeout: float) -> RequestResult:
-    res = RequestResult(req.index, req.class_name, req.input_len, req.output_len, send_time=clock())
+    res = RequestResult.of(req, clock())
     chunks = 0
     try:
         async with client.stream("POST", url, json=body, headers=headers, timeout=timeout) as r:

@@ -2,7 +2,9 @@
 
 Each configuration runs on a fresh engine (the model is loaded once and shared; the KV cache,
 scheduler and sampler are new) with the same seed and the same requests at the same times,
-in-process, so the figures differ only by the scheduling settings.
+in-process, so the figures differ only by the scheduling settings. A scenario may bring its own
+configurations (power-user: fcfs against vtc) and may be several loads asked the same question
+(itl-target: one report per load, and an index).
 """
 
 from __future__ import annotations
@@ -10,30 +12,37 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tandem.bench.compare_report import write_compare_report
+from tandem.bench.compare_report import write_compare_report, write_loads_index
 from tandem.bench.evaluate import Candidate, InProcessEvaluator, evaluate
 from tandem.bench.progress import RunProgress
-from tandem.bench.scenarios import scenario_requests
+from tandem.bench.scenarios import DEFAULT_CONFIGS, SCENARIOS, scenario_requests
 from tandem.bench.summary import parse_goodput
 from tandem.bench.prompts import PlainTokenizer
 from tandem.config import EngineConfig
-
-# prefill-first gets a large budget (vLLM without chunking uses at least 2048 tokens per step)
-DEFAULT_CONFIGS = [
-    "policy=static",
-    "policy=prefill-first,max_num_batched_tokens=2048",
-    "policy=chunked,max_num_batched_tokens=128",
-    "policy=chunked,max_num_batched_tokens=512",
-]
 
 
 def run_compare(scenario: str | None, workload_path: str | None, configs: list[str], base: EngineConfig,
                 result_dir: str, goodput: list[str] | None = None, seed: int = 0, max_duration: float = 1800.0,
                 evaluator=None) -> dict:
-    candidates = [Candidate.parse(c) for c in (configs or DEFAULT_CONFIGS)]
     scenario = scenario if workload_path or scenario else "equal"
-    slos = parse_goodput(goodput)
+    sc = None if workload_path else SCENARIOS.get(scenario)
+    configs = list(configs or (sc.configs if sc and sc.configs else DEFAULT_CONFIGS))
+    for c in configs:  # a typo fails before the model loads
+        Candidate.parse(c)
     evaluator = evaluator or InProcessEvaluator(base)
+    if sc and sc.loads:
+        runs = {load: _compare_one(load, None, configs, base, str(Path(result_dir) / load), goodput, seed,
+                                   max_duration, evaluator) for load in sc.loads}
+        index = write_loads_index(Path(result_dir), sc, {k: v["evaluations"] for k, v in runs.items()})
+        return {"evaluations": [e for r in runs.values() for e in r["evaluations"]], "loads": runs,
+                "paths": [str(index)] + [p for r in runs.values() for p in r["paths"]]}
+    return _compare_one(scenario, workload_path, configs, base, result_dir, goodput, seed, max_duration, evaluator)
+
+
+def _compare_one(scenario: str | None, workload_path: str | None, configs: list[str], base: EngineConfig,
+                 result_dir: str, goodput: list[str] | None, seed: int, max_duration: float, evaluator) -> dict:
+    candidates = [Candidate.parse(c) for c in configs]
+    slos = parse_goodput(goodput)
     tok = PlainTokenizer(evaluator.tokenizer)
     requests, offsets, title, description, seqs = scenario_requests(scenario, workload_path, tok, seed)
     if seqs:

@@ -1,5 +1,6 @@
 """The comparison report: a table per configuration, TTFT vs throughput, ITL timelines side by
-side, and the prefill/decode token mix of every step over time."""
+side, and the prefill/decode token mix of every step over time; per-class and per-user tables and
+the ITL/TTFT frontier where they apply (``breakdown``, ``frontier``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from tandem.bench import breakdown, frontier  # noqa: E402
 from tandem.bench.evaluate import Evaluation  # noqa: E402
 from tandem.bench.report import save_figure  # noqa: E402
 from tandem.bench.results import results_json, row  # noqa: E402
@@ -100,29 +102,64 @@ def plot_step_mix(evaluations: list[Evaluation], path: Path) -> None:
 
 def write_compare_report(out: Path, evaluations: list[Evaluation], meta: dict) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "compare.json").write_text(results_json(evaluations, meta) + "\n")
+    (out / "compare.json").write_text(results_json(evaluations, {**meta, **breakdown.json_data(evaluations)}) + "\n")
     plot_ttft_vs_throughput(evaluations, out / PLOTS[0])
     plot_itl_timelines(evaluations, out / PLOTS[1])
     plot_step_mix(evaluations, out / PLOTS[2])
+    plots = list(PLOTS)
     md = [f"# Comparison: {meta['scenario']}", "", meta["description"], "",
           f"{meta['num_requests']} requests, the same for every configuration (seed {meta['seed']}).", "",
           table(evaluations), ""]
     if meta.get("goodput_slos_ms"):
         md += ["Goodput SLOs: " + ", ".join(f"{k} <= {v:g} ms" for k, v in meta["goodput_slos_ms"].items()), ""]
-    md += [f"![{p}]({p})" for p in PLOTS]
+    md += _extra_sections(evaluations, out, plots)
+    md += [f"![{p}]({p})" for p in plots]
     text = "\n".join(md) + "\n"
     (out / "compare.md").write_text(text)
     images = "".join(
         f'<h2>{html.escape(p[:-4].replace("_", " "))}</h2><img style="max-width:100%" '
-        f'src="data:image/png;base64,{base64.b64encode((out / p).read_bytes()).decode()}">' for p in PLOTS)
+        f'src="data:image/png;base64,{base64.b64encode((out / p).read_bytes()).decode()}">' for p in plots)
     body = html.escape("\n".join(md[: md.index(table(evaluations))]))
+    rest = html.escape("\n".join(md[md.index(table(evaluations)) + 1: len(md) - len(plots)]))
     page = ("<!doctype html><html><head><meta charset='utf-8'><title>tandem compare</title>"
             "<style>body{font-family:sans-serif;max-width:1200px;margin:auto;padding:1em}"
             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}"
             "td:first-child{text-align:left}</style></head><body>"
-            f"<pre>{body}</pre>{_html_table(evaluations)}{images}</body></html>")
+            f"<pre>{body}</pre>{_html_table(evaluations)}<pre>{rest}</pre>{images}</body></html>")
     (out / "compare.html").write_text(page)
-    return [out / n for n in ("compare.json", "compare.md", "compare.html", *PLOTS)]
+    return [out / n for n in ("compare.json", "compare.md", "compare.html", *plots)]
+
+
+def _extra_sections(evaluations: list[Evaluation], out: Path, plots: list[str]) -> list[str]:
+    """Per-class and per-user tables where there are groups; the ITL/TTFT frontier (and its
+    verdict per target) where configurations differ in budget or ITL target."""
+    md = []
+    for by, title in (("class", "Per class"), ("user", "Per user")):
+        text = breakdown.table(evaluations, by)
+        if text:
+            md += [f"## {title}", "", text, ""]
+    if frontier.wanted(evaluations):
+        frontier.plot_frontier(evaluations, out / frontier.PLOT)
+        plots.append(frontier.PLOT)
+        lines = frontier.verdict(evaluations)
+        if lines:
+            md += ["## ITL target", "", *lines, ""]
+    return md
+
+
+def write_loads_index(out: Path, scenario, runs: dict[str, list[Evaluation]]) -> Path:
+    """The page of a scenario made of several loads: each load's main table and frontier verdict,
+    linking to its own report."""
+    out.mkdir(parents=True, exist_ok=True)
+    md = [f"# Comparison: {scenario.name}", "", scenario.description, ""]
+    for load, evaluations in runs.items():
+        md += [f"## {load}", "", f"[full report]({load}/compare.md)", "", table(evaluations), ""]
+        md += frontier.verdict(evaluations) + [""]
+        if frontier.wanted(evaluations):
+            md += [f"![{load}]({load}/{frontier.PLOT})", ""]
+    path = out / "compare.md"
+    path.write_text("\n".join(md) + "\n")
+    return path
 
 
 def _html_table(evaluations: list[Evaluation]) -> str:

@@ -114,7 +114,9 @@ class CompareConfig:
     workload: str | None = field(default=None, metadata=_help("a workload YAML/JSON file instead of a scenario"))
     configs: tuple[str, ...] = field(default=(), metadata=_help(
         "configurations to compare, each KEY=VALUE[,KEY=VALUE] over the scheduler options, optionally "
-        "'name:' first; default: static, prefill-first, chunked at 128 and 512 tokens", nargs="+"))
+        "'name:' first; default: the scenario's own set (power-user: fcfs and vtc; itl-target: a 150 ms "
+        "target and fixed budgets; long-prompts: the defaults and a long-prefill cap), else static, "
+        "prefill-first, chunked at 128 and 512 tokens", nargs="+"))
     goodput: tuple[str, ...] = field(default=(), metadata=_help(
         "SLOs for goodput, e.g. ttft:2000 tpot:300 (milliseconds)", nargs="+"))
     result_dir: str = field(default="compare-results", metadata=_help("where the report goes"))
@@ -133,11 +135,29 @@ class TuneConfig:
         "chunk sizes (max_num_batched_tokens) the search may pick from"))
     max_num_seqs_values: str = field(default="4,8,16,32,64", metadata=_help(
         "max_num_seqs values the search may pick from"))
+    target_itl_fractions: str = field(default="0.5,0.6,0.7,0.8,0.9,1.0", metadata=_help(
+        "with --slo-itl-ms: the ITL targets (target_itl_ms) the search tries beside the budgets, as fractions "
+        "of the SLO; empty: budgets only"))
+    fixed: str = field(default="", metadata=_help(
+        "KEY=VALUE[,KEY=VALUE] scheduler settings every trial gets, e.g. fairness=vtc"))
     repeats: int = field(default=2, metadata=_help("runs of each leading candidate; judged on the median"))
     max_trials: int = field(default=24, metadata=_help("most distinct configurations to measure"))
     result_dir: str = field(default="tune-results", metadata=_help("where the report goes"))
     seed: int = field(default=0, metadata=_help("seed of the requests"))
     max_duration: float = field(default=1800.0, metadata=_help("seconds each run may take"))
+
+    def targets(self) -> list[float]:
+        """The ITL targets (ms) to try: the fractions of the ITL SLO, one decimal."""
+        if not self.slo_itl_ms or not self.target_itl_fractions.strip():
+            return []
+        try:
+            fractions = [float(v) for v in self.target_itl_fractions.split(",") if v.strip()]
+        except ValueError:
+            raise ValueError(f"target_itl_fractions: expected comma-separated numbers, "
+                             f"got {self.target_itl_fractions!r}") from None
+        if not all(0 < f <= 2 for f in fractions):
+            raise ValueError(f"target_itl_fractions: each must be in (0, 2], got {self.target_itl_fractions!r}")
+        return sorted({round(f * self.slo_itl_ms, 1) for f in fractions})
 
     def grid(self, name: str) -> list[int]:
         text = getattr(self, name)

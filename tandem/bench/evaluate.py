@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import typing
 from dataclasses import dataclass
 from typing import Any
 
 from tandem.bench.replay import RunData, run_inprocess
 from tandem.bench.summary import summarize_run
 from tandem.bench.prompts import BenchRequest
+from tandem.bench.config_keys import keys, parse_overrides
 from tandem.bench.workload import ArrivalSpec
 from tandem.config import EngineConfig, SchedulerConfig
 
-# Knobs a configuration may set, with their CLI flag names.
-TUNABLE = {f.name for f in dataclasses.fields(SchedulerConfig)}
-_KINDS = typing.get_type_hints(SchedulerConfig)  # how each key's value is read: str, int or float
+# Knobs a configuration may set: every SchedulerConfig field.
+TUNABLE = keys()
 
 
 @dataclass
@@ -27,36 +26,36 @@ class Candidate:
     overrides: dict[str, Any]
 
     @classmethod
-    def parse(cls, text: str) -> "Candidate":
-        """``"policy=chunked,max_num_batched_tokens=256"`` (an optional ``name:`` first)."""
+    def parse(cls, text: str, fields_of: type = SchedulerConfig) -> "Candidate":
+        """``"policy=chunked,max_num_batched_tokens=256"`` (an optional ``name:`` first); values
+        take their SchedulerConfig field's type."""
         name, sep, rest = text.partition(":")
         if not sep or "=" in name:
             name, rest = "", text
-        overrides: dict[str, Any] = {}
-        for part in filter(None, (p.strip() for p in rest.split(","))):
-            key, eq, value = part.partition("=")
-            key = key.strip().replace("-", "_")
-            if not eq or key not in TUNABLE:
-                raise ValueError(f"configs: {part!r} is not KEY=VALUE with KEY in {', '.join(sorted(TUNABLE))}")
-            kind = _KINDS[key] if _KINDS[key] in (str, int, float) else str
-            try:
-                overrides[key] = kind(value.strip())
-            except ValueError:
-                raise ValueError(f"configs: {part!r}: {key} takes a {kind.__name__}") from None
-        SchedulerConfig(**overrides).validate()
+        overrides = parse_overrides(rest, fields_of)
         return cls(name or describe(overrides), overrides)
+
+
+_SHOWN = ("policy", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
+          "max_long_partial_prefills")
 
 
 def describe(o: dict[str, Any]) -> str:
     text = o.get("policy", "chunked")
+    if o.get("target_itl_ms"):
+        text += f" itl<={o['target_itl_ms']:g}ms"
     if "max_num_batched_tokens" in o:
-        text += f" chunk={o['max_num_batched_tokens']}" if text == "chunked" else f" budget={o['max_num_batched_tokens']}"
+        text += f" chunk={o['max_num_batched_tokens']}" if text.startswith("chunked") else \
+            f" budget={o['max_num_batched_tokens']}"
     if "max_num_seqs" in o:
         text += f" seqs={o['max_num_seqs']}"
-    if o.get("fairness", "fcfs") != "fcfs":
-        text += f" {o['fairness']}"
     if o.get("long_prefill_token_threshold"):
         text += f" cap={o['long_prefill_token_threshold']}x{o.get('max_long_partial_prefills', 0) or 'inf'}"
+    if o.get("target_ttft_ms"):
+        text += f" ttft<={o['target_ttft_ms']:g}ms"
+    for key, value in o.items():
+        if key not in _SHOWN and key not in ("target_itl_ms", "target_ttft_ms") and value not in (None, ""):
+            text += f" {value}" if key == "fairness" else f" {key}={value}"
     return text
 
 

@@ -19,7 +19,7 @@ from tandem.bench.config import BenchConfig
 from tandem.bench.progress import RunProgress
 from tandem.bench.report import save_figure, write_report
 from tandem.bench.replay import RunData, run_inprocess, run_openai
-from tandem.bench.summary import counter_delta, parse_goodput, per_class, summarize_run
+from tandem.bench.summary import counter_delta, parse_goodput, per_class, per_user, summarize_run
 from tandem.bench.prompts import PlainTokenizer, build_requests
 from tandem.bench.workload import ArrivalSpec, LengthDist, RequestClass, Workload
 from tandem.config import EngineConfig
@@ -159,6 +159,9 @@ def run_once(cfg: BenchConfig, w: Workload, engine_config: EngineConfig | None, 
                   else counter_delta(data.samples, "recomputed_tokens"))
     if recomputed is not None:
         summary["recomputed_tokens"] = recomputed
+    users = per_user(data.results, data.duration, cfg.percentiles, cfg.metrics, slos)
+    if users:
+        meta["per_user"] = users
     if data.samples:
         keys = sorted({k for _, g in data.samples for k in g})
         meta["server_metrics"] = {k: [[t, g.get(k)] for t, g in data.samples] for k in keys}

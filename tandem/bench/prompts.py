@@ -47,6 +47,8 @@ class BenchRequest:
     output_len: int
     arrival_s: float | None = None
     """Offset from the start (trace replay); None when the arrival process decides."""
+    user: str = ""
+    """The tenant it is sent as; "" is anonymous (no ``user`` field)."""
 
 
 # --- building the requests ---------------------------------------------------------------------
@@ -112,6 +114,7 @@ def build_requests(w: Workload, tokenizer: Tokenizer) -> list[BenchRequest]:
     shares = [c.share for c in w.classes]
     prefixes = {c.name: pool.take(rng, c.prefix_len) if c.prefix_len else "" for c in w.classes}
     reqs = []
+    ordinals = {c.name: 0 for c in w.classes}
     for i in range(w.num_prompts):
         c = rng.choices(w.classes, weights=shares)[0]
         n_in = c.input.sample(rng)
@@ -119,12 +122,14 @@ def build_requests(w: Workload, tokenizer: Tokenizer) -> list[BenchRequest]:
         prefix = prefixes[c.name]
         if prefix and not prefix[-1].isspace() and not body[:1].isspace():
             prefix += " "  # keep the last prefix word and the first body word apart
-        reqs.append(BenchRequest(i, c.name, prefix + body, n_in, c.output.sample(rng)))
+        user = c.user_of(ordinals[c.name])
+        ordinals[c.name] += 1
+        reqs.append(BenchRequest(i, c.name, prefix + body, n_in, c.output.sample(rng), user=user))
     return reqs
 
 
 def _trace_requests(w: Workload, tokenizer: Tokenizer, rng: random.Random) -> list[BenchRequest]:
-    """JSONL lines of {"timestamp": s, "input_len": n, "output_len": m[, "class": name]}."""
+    """JSONL lines of {"timestamp": s, "input_len": n, "output_len": m[, "class": name][, "user": u]}."""
     pool = _TextPool(tokenizer, [_CORPUS.read_text()])
     rows = []
     for lineno, line in enumerate(Path(w.dataset_path).read_text().splitlines(), 1):  # type: ignore[arg-type]
@@ -133,12 +138,12 @@ def _trace_requests(w: Workload, tokenizer: Tokenizer, rng: random.Random) -> li
         try:
             row = json.loads(line)
             rows.append((float(row["timestamp"]), int(row["input_len"]), int(row["output_len"]),
-                         str(row.get("class", "trace"))))
+                         str(row.get("class", "trace")), str(row.get("user") or "")))
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"dataset_path: line {lineno} of the trace is not a valid record ({exc})") from None
     if not rows:
         raise ValueError("dataset_path: the trace is empty")
     rows.sort()
     t0 = rows[0][0]
-    return [BenchRequest(i, cls, pool.take(rng, max(1, n_in)), n_in, max(1, n_out), ts - t0)
-            for i, (ts, n_in, n_out, cls) in enumerate(rows[: w.num_prompts])]
+    return [BenchRequest(i, cls, pool.take(rng, max(1, n_in)), n_in, max(1, n_out), ts - t0, user)
+            for i, (ts, n_in, n_out, cls, user) in enumerate(rows[: w.num_prompts])]

@@ -8,6 +8,7 @@ free of HTTP, reading each request's timing from the engine.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 import re
 import time
@@ -150,11 +151,20 @@ async def run_openai(
         if task in done and not task.cancelled() and task.exception() is None:
             results.append(task.result())
         else:
-            results.append(RequestResult(req.index, req.class_name, req.input_len, req.output_len, send_time=math.nan,
-                                         error="not finished within --max-duration"))
+            results.append(RequestResult.of(req, math.nan, error="not finished within --max-duration"))
     if pending:
         notes.append(f"{len(pending)} requests were still running when --max-duration ({max_duration} s) ended the run")
     return RunData(results, duration, samples, notes)
+
+
+def _tenant_arg(engine) -> Callable[[BenchRequest], dict]:
+    """How a request's user reaches the engine: as ``add_request(..., user=)`` where the engine
+    takes one; an engine without tenants serves every request as one anonymous user."""
+    try:
+        takes_user = "user" in inspect.signature(engine.add_request).parameters
+    except (TypeError, ValueError):
+        takes_user = False
+    return (lambda req: {"user": req.user} if req.user else {}) if takes_user else (lambda req: {})
 
 
 def run_inprocess(
@@ -170,6 +180,7 @@ def run_inprocess(
     from tandem.core.sampling_params import SamplingParams
 
     clock0 = engine.clock()
+    tenant = _tenant_arg(engine)
 
     def clock() -> float:
         return engine.clock() - clock0
@@ -186,9 +197,9 @@ def run_inprocess(
             nxt += 1
             req = requests[i]
             params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=ignore_eos)
-            res = RequestResult(req.index, req.class_name, req.input_len, req.output_len, send_time=clock())
+            res = RequestResult.of(req, clock())
             try:
-                rid = engine.add_request(req.prompt, params)
+                rid = engine.add_request(req.prompt, params, **tenant(req))
             except ValueError as exc:
                 res.error = f"rejected: {exc}"
                 results[i] = res
@@ -231,7 +242,6 @@ def run_inprocess(
                   if i not in results or (not results[i].success and results[i].error is None)]
     for i in unfinished:
         req = requests[i]
-        results[i] = RequestResult(req.index, req.class_name, req.input_len, req.output_len,
-                                   send_time=math.nan, error="not finished within --max-duration")
+        results[i] = RequestResult.of(req, math.nan, error="not finished within --max-duration")
     notes = [f"--max-duration ({max_duration} s) ended the run early"] if unfinished else []
     return RunData([results[i] for i in range(len(requests))], clock(), samples, notes)

@@ -144,15 +144,22 @@ def markdown(summary: dict, classes: dict[str, dict], meta: dict) -> str:
     if summary.get("errors"):
         lines += ["", "Errors:", ""] + [f"- {k}: {v}" for k, v in summary["errors"].items()]
     if len(classes) > 1:
-        lines += ["", "## Per class", "", "| class | completed | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |",
-                  "|---|---|---|---|---|"]
-        for name, s in classes.items():
-            lines.append(f"| {name} | {s['completed']} | {_fmt(s['output_throughput'])} | "
-                         f"{_fmt(s.get('median_ttft_ms', math.nan))} / {_fmt(s.get('p99_ttft_ms', math.nan))} | "
-                         f"{_fmt(s.get('median_itl_ms', math.nan))} / {_fmt(s.get('p99_itl_ms', math.nan))} |")
+        lines += group_table("Per class", "class", classes)
+    if meta.get("per_user"):
+        lines += group_table("Per user", "user", meta["per_user"])
     for note in meta.get("notes", []):
         lines += ["", f"> {note}"]
     return "\n".join(lines) + "\n"
+
+
+def group_table(title: str, label: str, groups: dict[str, dict]) -> list[str]:
+    lines = ["", f"## {title}", "", f"| {label} | completed | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |",
+             "|---|---|---|---|---|"]
+    for name, s in groups.items():
+        lines.append(f"| {name} | {s['completed']} | {_fmt(s['output_throughput'])} | "
+                     f"{_fmt(s.get('median_ttft_ms', math.nan))} / {_fmt(s.get('p99_ttft_ms', math.nan))} | "
+                     f"{_fmt(s.get('median_itl_ms', math.nan))} / {_fmt(s.get('p99_itl_ms', math.nan))} |")
+    return lines
 
 
 def write_report(result_dir: Path, data: RunData, summary: dict, classes: dict, meta: dict) -> list[Path]:

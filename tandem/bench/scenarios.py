@@ -23,8 +23,35 @@ class Scenario:
     """One line for the CLI help."""
     description: str
     """What the report says the scenario is."""
-    build: Callable[[Any, int], tuple[list[BenchRequest], list[float]]]
+    build: Callable[[Any, int], tuple[list[BenchRequest], list[float]]] | None
+    """(tokenizer, seed) -> (requests, send offsets); None for a scenario made of ``loads``."""
     max_num_seqs: int = 32
+    configs: tuple[str, ...] = ()
+    """What `tandem compare` runs when no --configs are given (else DEFAULT_CONFIGS)."""
+    loads: tuple[str, ...] = ()
+    """Other scenarios whose requests this one runs, each with this one's configurations and a
+    report of its own: one question asked of several loads."""
+
+
+# prefill-first gets a large budget (vLLM without chunking uses at least 2048 tokens per step)
+DEFAULT_CONFIGS = (
+    "policy=static",
+    "policy=prefill-first,max_num_batched_tokens=2048",
+    "policy=chunked,max_num_batched_tokens=128",
+    "policy=chunked,max_num_batched_tokens=512",
+)
+# The long-prefill cap: a long prompt takes at most half the 512-token budget per step and one
+# long prompt prefills at a time, so a short prompt arriving behind a document is not queued
+# behind all of it.
+LONG_CAP = "capped:policy=chunked,max_num_batched_tokens=512,long_prefill_token_threshold=256,max_long_partial_prefills=1"
+# "Keep streams under 150 ms per token": the target policy may use the whole 2048-token budget
+# when nothing decodes, and sizes prefill to the target while streams run; the fixed budgets
+# around it show which of them also meet 150 ms and at what TTFT.
+ITL_TARGET_MS = 150
+ITL_TARGET_CONFIGS = (
+    f"target:policy=chunked,max_num_batched_tokens=2048,target_itl_ms={ITL_TARGET_MS}",
+    *(f"policy=chunked,max_num_batched_tokens={b}" for b in (32, 64, 128, 256, 512)),
+)
 
 
 def _equal(tok, seed: int):
@@ -34,16 +61,35 @@ def _equal(tok, seed: int):
     return reqs, [0.0] * len(reqs)
 
 
+def _joined(*parts: list[BenchRequest]) -> list[BenchRequest]:
+    reqs = [r for part in parts for r in part]
+    for i, r in enumerate(reqs):
+        r.index = i
+    return reqs
+
+
 def _long_prompts(tok, seed: int):
-    chat = Workload(dataset="random", num_prompts=12, seed=seed, classes=[
+    chat = Workload(dataset="random", num_prompts=18, seed=seed, classes=[
         RequestClass("chat", 1.0, LengthDist("lognormal", 96, sigma=0.3, max=192), LengthDist("fixed", 96))])
     docs = Workload(dataset="random", num_prompts=3, seed=seed + 1, classes=[
         RequestClass("document", 1.0, LengthDist("fixed", 1536), LengthDist("fixed", 16))])
-    reqs = build_requests(chat, tok) + build_requests(docs, tok)
-    for i, r in enumerate(reqs):
-        r.index = i
-    # the chats start together and stream; the documents land in the middle of their streams
-    offsets = [0.2 * i for i in range(12)] + [4.0 + 6.0 * i for i in range(3)]
+    reqs = _joined(build_requests(chat, tok), build_requests(docs, tok))
+    # twelve chats start together and stream; the documents land in the middle of their streams,
+    # and six more chats arrive just behind them: their TTFT is what the long-prefill cap is for
+    late = [d + lag for d in (4.0, 10.0, 16.0) for lag in (0.3, 0.8)]
+    offsets = [0.2 * i for i in range(12)] + late + [4.0 + 6.0 * i for i in range(3)]
+    return reqs, offsets
+
+
+def _power_user(tok, seed: int):
+    power = Workload(dataset="random", num_prompts=64, seed=seed, classes=[
+        RequestClass("power", 1.0, LengthDist("fixed", 128), LengthDist("uniform", 64, min=32, max=96), user="power")])
+    light = Workload(dataset="random", num_prompts=28, seed=seed + 1, classes=[
+        RequestClass("light", 1.0, LengthDist("fixed", 64), LengthDist("fixed", 32), user="light-{i%3}")])
+    reqs = _joined(build_requests(power, tok), build_requests(light, tok))
+    # two bursts of 32 from the power user, 25 s apart; three light users take turns, one
+    # request every 1.25 s: under FCFS a light request queues behind the rest of a burst
+    offsets = [0.0] * 32 + [25.0] * 32 + [0.3 + 1.25 * i for i in range(28)]
     return reqs, offsets
 
 
@@ -63,10 +109,22 @@ SCENARIOS = {s.name: s for s in (
              "prefill can raise throughput", _equal),
     Scenario("long-prompts", "long prompts arriving while chats stream",
              "12 chats (~96 prompt / 96 output tokens) streaming while 3 1536-token documents arrive 4, 10 "
-             "and 16 s in: where prefill-first stalls streams", _long_prompts),
+             "and 16 s in, each followed 0.3 and 0.8 s later by another chat: where prefill-first stalls "
+             "streams, and where the long-prefill cap lets short prompts pass long ones",
+             _long_prompts, configs=DEFAULT_CONFIGS + (LONG_CAP,)),
     Scenario("sharegpt-bursty", "a ShareGPT-like mix with bursty arrivals",
              "32 ShareGPT-like requests (lognormal lengths) with bursty gamma arrivals (0.8 req/s, "
              "burstiness 0.3)", _sharegpt_bursty),
+    Scenario("power-user", "one user's bursts against three light users (fcfs vs vtc)",
+             "a power user sends 64 requests (128 prompt / 32-96 output tokens) in two bursts of 32, 25 s "
+             "apart; three light users send 28 short requests (64 / 32 tokens) in turn, one every 1.25 s; "
+             "at most 4 requests run at once, so requests queue: whose go first is the fairness rule",
+             _power_user, max_num_seqs=4, configs=("fcfs:fairness=fcfs", "vtc:fairness=vtc")),
+    Scenario("itl-target", f"an ITL target of {ITL_TARGET_MS} ms against fixed budgets, on two loads",
+             f"the sharegpt-bursty and long-prompts loads, each with the target policy (target_itl_ms="
+             f"{ITL_TARGET_MS}) and fixed chunked budgets of 32 to 512 tokens: which configurations keep ITL "
+             f"p99 within the target, and at what TTFT p99", None, configs=ITL_TARGET_CONFIGS,
+             loads=("sharegpt-bursty", "long-prompts")),
 )}
 
 
@@ -86,5 +144,8 @@ def scenario_requests(scenario: str | None, workload_path: str | None, tok, seed
     if scenario not in SCENARIOS:
         raise ValueError(f"scenario: must be one of {', '.join(SCENARIOS)}, got {scenario!r}")
     sc = SCENARIOS[scenario]
+    if sc.build is None:
+        raise ValueError(f"scenario: {scenario!r} is several loads ({', '.join(sc.loads)}); "
+                         f"`tandem compare` runs each, anything else takes one of them")
     requests, offsets = sc.build(tok, seed)
     return requests, offsets, sc.name, sc.description, sc.max_num_seqs

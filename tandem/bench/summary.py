@@ -92,3 +92,11 @@ def per_class(results: list[RequestResult], duration: float, percentiles: Sequen
     names = sorted({r.class_name for r in results})
     return {n: summarize_run([r for r in results if r.class_name == n], duration, percentiles, metrics, slos)
             for n in names}
+
+
+def per_user(results: list[RequestResult], duration: float, percentiles: Sequence[float],
+             metrics: Sequence[str], slos: dict[str, float] | None) -> dict[str, dict]:
+    """Like ``per_class``, keyed by tenant; empty when no request names a user."""
+    names = sorted({r.user for r in results if r.user})
+    return {n: summarize_run([r for r in results if r.user == n], duration, percentiles, metrics, slos)
+            for n in names}

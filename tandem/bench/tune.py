@@ -9,15 +9,18 @@ A configuration *meets the SLOs* when its p99 TTFT and p99 ITL are within them; 
 counts completed requests per second whose own TTFT and TPOT are within them. Among configurations
 that meet the SLOs the highest goodput wins (ties: higher output throughput); if none does, the
 nearest miss (smallest worst ratio of measured to allowed latency) is reported as such.
+
+Given an ITL SLO, the search also tries ITL targets instead of a budget (``target_itl_ms`` at
+fractions of the SLO, with the largest chunk size as the step budget when nothing decodes, at the
+best batch limit the budget search found): the target policy and the best fixed budget are judged
+by the same rule, and the report says which of the two the recommendation is.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 DEFAULT_CHUNKS = (32, 64, 128, 256, 512, 1024, 2048)
@@ -119,17 +122,23 @@ def tune(
     try_long_caps: bool = True,
     base_command: str = "tandem serve",
     log: Callable[[str], None] = lambda _: None,
+    targets: Sequence[float] = (),
+    fixed: dict[str, Any] | None = None,
 ) -> TuneResult:
+    """``targets``: ITL targets (ms) to try beside the budgets; ``fixed``: settings every trial
+    gets (e.g. ``{"fairness": "vtc"}``)."""
     slo.validate()
-    chunks, seqs = sorted(set(chunks)), sorted(set(seqs))
+    chunks, seqs, targets = sorted(set(chunks)), sorted(set(seqs)), sorted(set(targets))
     trials: dict[tuple, Trial] = {}
+    # the budget search leaves room for every target to be tried
+    budget_trials = max(1, max_trials - len(targets))
 
-    def run(overrides: dict[str, Any]) -> Trial:
-        overrides = {"policy": "chunked", **overrides}
+    def run(overrides: dict[str, Any], limit: int = budget_trials) -> Trial:
+        overrides = {"policy": "chunked", **(fixed or {}), **overrides}
         t = Trial(overrides)
         if t.key() in trials:
             return trials[t.key()]
-        if len(trials) >= max_trials:
+        if len(trials) >= limit:
             return None  # type: ignore[return-value]
         t.runs.append(measure(overrides))
         trials[t.key()] = t
@@ -157,7 +166,7 @@ def tune(
         for dc, dn in ((-1, 0), (1, 0), (0, -1), (0, 1)):
             if 0 <= ci + dc < len(chunks) and 0 <= ni + dn < len(seqs):
                 run({"max_num_batched_tokens": chunks[ci + dc], "max_num_seqs": seqs[ni + dn]})
-        if best_of() is best or len(trials) >= max_trials:
+        if best_of() is best or len(trials) >= budget_trials:
             break
     # 3. the long-prompt caps around the best point
     best = best_of()
@@ -166,7 +175,13 @@ def tune(
         if c >= 32:
             run({**{k: v for k, v in best.overrides.items() if k != "policy"},
                  "long_prefill_token_threshold": c // 2, "max_long_partial_prefills": 1})
-    # 4. measure the leaders again; judge them on their medians
+    # 4. ITL targets instead of a budget: the largest chunk size is then only the step's size
+    # when nothing decodes (fast TTFT), while the target sizes prefill beside running streams
+    budget_best = best_of()
+    for target in targets:
+        run({"max_num_batched_tokens": chunks[-1], "max_num_seqs": budget_best.overrides["max_num_seqs"],
+             "target_itl_ms": target}, limit=max_trials)
+    # 5. measure the leaders again; judge them on their medians
     leaders = sorted(trials.values(), key=lambda t: rank(t, slo), reverse=True)[:2]
     for t in leaders:
         while len(t.runs) < repeats:
@@ -180,79 +195,40 @@ def tune(
 
 def _label(o: dict[str, Any]) -> str:
     text = f"chunk={o.get('max_num_batched_tokens')} seqs={o.get('max_num_seqs')}"
+    if o.get("target_itl_ms"):
+        text = f"target-itl={o['target_itl_ms']:g}ms " + text
     if o.get("long_prefill_token_threshold"):
         text += f" long-cap={o['long_prefill_token_threshold']}x{o.get('max_long_partial_prefills')}"
+    for key, value in o.items():
+        if key not in _COMMAND_ORDER and key != "policy" and value not in (None, ""):
+            text += f" {key}={value}"
     return text
+
+
+def is_target(trial: Trial) -> bool:
+    return bool(trial.overrides.get("target_itl_ms"))
+
+
+def best_by_kind(result: TuneResult, slo: SLO) -> dict[str, Trial]:
+    """The best fixed-budget trial and the best ITL-target trial (where any was tried)."""
+    out = {}
+    for kind, pick in (("budget", lambda t: not is_target(t)), ("target", is_target)):
+        tried = [t for t in result.trials if pick(t)]
+        if tried:
+            out[kind] = max(tried, key=lambda t: rank(t, slo))
+    return out
+
+
+_COMMAND_ORDER = ("max_num_batched_tokens", "max_num_seqs", "target_itl_ms", "target_ttft_ms",
+                  "long_prefill_token_threshold", "max_long_partial_prefills")
 
 
 def serve_command(base: str, overrides: dict[str, Any]) -> str:
     parts = [base]
-    for key in ("policy", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
-                "max_long_partial_prefills"):
-        if overrides.get(key):
-            parts.append(f"--{key.replace('_', '-')} {overrides[key]}")
+    keys = ["policy", *_COMMAND_ORDER, *sorted(set(overrides) - set(_COMMAND_ORDER) - {"policy"})]
+    for key in keys:
+        value = overrides.get(key)
+        if value not in (None, "", 0, False):
+            parts.append(f"--{key.replace('_', '-')} {value:g}" if isinstance(value, float)
+                         else f"--{key.replace('_', '-')} {value}")
     return " ".join(parts)
-
-
-def write_tune_report(out: Path, result: TuneResult, slo: SLO, meta: dict) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from tandem.bench.report import save_figure
-
-    out.mkdir(parents=True, exist_ok=True)
-
-    def entry(t: Trial) -> dict:
-        return {"config": t.overrides, "runs": len(t.runs), "meets_slos": is_feasible(t, slo), **t.summary}
-
-    data = {**meta, "slo": {"ttft_p99_ms": slo.ttft_p99_ms, "itl_p99_ms": slo.itl_p99_ms},
-            "best": entry(result.best), "meets_slos": result.feasible, "command": result.command,
-            "pareto_front": [entry(t) for t in result.front], "trials": [entry(t) for t in result.trials]}
-    (out / "tune.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    front = {t.key() for t in result.front}
-    for ax, key, limit, title in ((axes[0], "p99_ttft_ms", slo.ttft_p99_ms, "p99 TTFT"),
-                                  (axes[1], "p99_itl_ms", slo.itl_p99_ms, "p99 ITL")):
-        for t in result.trials:
-            s = t.summary
-            on_front = t.key() in front
-            ax.scatter([s["output_throughput"]], [s[key]], s=50 if on_front else 18,
-                       color="tab:green" if is_feasible(t, slo) else "tab:red", marker="o" if on_front else "x")
-            if on_front:
-                ax.annotate(_label(t.overrides), (s["output_throughput"], s[key]), fontsize=7,
-                            textcoords="offset points", xytext=(4, 4))
-        b = result.best.summary
-        ax.scatter([b["output_throughput"]], [b[key]], s=160, facecolors="none", edgecolors="black", label="chosen")
-        if limit:
-            ax.axhline(limit, color="gray", linestyle="--", label="SLO")
-        ax.set_xlabel("output throughput (tokens/s)")
-        ax.set_ylabel(f"{title} (ms)")
-        ax.set_yscale("log")
-        ax.set_title(f"{title} vs throughput: green meets the SLOs, circles are the Pareto front")
-        ax.title.set_fontsize(9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    save_figure(fig, out / "pareto.png")
-    b = result.best.summary
-    verdict = ("meets the SLOs" if result.feasible else
-               f"does NOT meet the SLOs: no configuration tried did; this is the nearest miss "
-               f"(worst measured/allowed ratio {slo.worst_ratio(b):.2f})")
-    md = [f"# Tuning: {meta.get('workload', '')}", "",
-          f"SLOs: p99 TTFT <= {slo.ttft_p99_ms} ms, p99 ITL <= {slo.itl_p99_ms} ms. "
-          f"{len(result.trials)} configurations measured ({sum(len(t.runs) for t in result.trials)} runs).", "",
-          f"**Best: {_label(result.best.overrides)}** — {verdict}: {b['output_throughput']:.1f} output tok/s, "
-          f"goodput {_num(b['request_goodput']):.3f} req/s, TTFT p99 {b['p99_ttft_ms']:.0f} ms, "
-          f"ITL p99 {b['p99_itl_ms']:.0f} ms (medians of {len(result.best.runs)} runs).", "",
-          "```bash", result.command, "```", "",
-          "| configuration | runs | output tok/s | goodput req/s | TTFT p99 ms | ITL p99 ms | meets SLOs | Pareto |",
-          "|---|---|---|---|---|---|---|---|"]
-    for t in result.trials:
-        s = t.summary
-        md.append(f"| {_label(t.overrides)} | {len(t.runs)} | {s['output_throughput']:.1f} | "
-                  f"{_num(s['request_goodput']):.3f} | {s['p99_ttft_ms']:.0f} | {s['p99_itl_ms']:.0f} | "
-                  f"{'yes' if is_feasible(t, slo) else 'no'} | {'*' if t.key() in front else ''} |")
-    md += ["", "![Pareto front](pareto.png)"]
-    (out / "tune.md").write_text("\n".join(md) + "\n")
-    return [out / "tune.json", out / "tune.md", out / "pareto.png"]

@@ -9,7 +9,11 @@ distributions and a share of the requests, and an arrival process::
     arrival: {process: poisson, request_rate: 4.0, burstiness: 1.0}
     classes:
       - {name: chat, share: 0.8, input: {dist: lognormal, mean: 200, sigma: 0.6}, output: {dist: fixed, mean: 128}}
-      - {name: summarise, share: 0.2, input: {dist: uniform, min: 1500, max: 3000}, output: {dist: fixed, mean: 64}}
+      - {name: summarise, share: 0.2, input: {dist: uniform, min: 1500, max: 3000}, output: {dist: fixed, mean: 64},
+         user: "team-{i%3}"}
+
+A class may name the tenant (``user``) its requests are sent as; bench then reports percentiles
+per user as well as per class.
 
 Prompt text is cut from real text (``prompts.py``: ShareGPT prompts when a dataset path is given, else a
 corpus shipped with tandem) so tokenization is realistic.
@@ -21,11 +25,13 @@ import dataclasses
 import json
 import math
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 DATASETS = ("sharegpt", "random", "mixed", "trace")
+_USER_FIELD = re.compile(r"\{i(?:%([0-9]+))?\}")
 DISTS = ("fixed", "uniform", "normal", "lognormal")
 PROCESSES = ("poisson", "gamma", "constant")
 
@@ -73,6 +79,13 @@ class RequestClass:
     output: LengthDist = field(default_factory=LengthDist)
     prefix_len: int = 0
     """Tokens of a prefix shared by every prompt of the class."""
+    user: str = ""
+    """The tenant its requests are sent as (the OpenAI ``user`` field); "" sends none. ``{i}``
+    is the request's ordinal within its class and ``{i%N}`` that modulo N, so ``light-{i%3}``
+    spreads the class over three users."""
+
+    def user_of(self, i: int) -> str:
+        return _USER_FIELD.sub(lambda m: str(i % int(m.group(1)) if m.group(1) else i), self.user)
 
 
 @dataclass
@@ -121,6 +134,7 @@ class Workload:
                 raise ValueError(f"classes[{c.name}].share: must be > 0")
             c.input.validate(f"classes[{c.name}].input")
             c.output.validate(f"classes[{c.name}].output")
+            _validate_user(c)
         self.arrival.validate()
 
     # --- files ---------------------------------------------------------------------------------
@@ -168,6 +182,16 @@ class Workload:
             Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
         else:
             Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+
+def _validate_user(c: RequestClass) -> None:
+    """Only ``{i}`` and ``{i%N}`` (N >= 1) may be substituted; any other brace is a typo."""
+    rest = _USER_FIELD.sub("", c.user)
+    if "{" in rest or "}" in rest or any(m.group(1) and int(m.group(1)) < 1 for m in _USER_FIELD.finditer(c.user)):
+        raise ValueError(f"classes[{c.name}].user: only {{i}} and {{i%N}} with N >= 1 may be substituted, "
+                         f"got {c.user!r}")
+    if len(c.user) > 256 or not c.user.isprintable():
+        raise ValueError(f"classes[{c.name}].user: must be at most 256 printable characters, got {c.user!r}")
 
 
 def _rate_out(rate: float) -> float | str:

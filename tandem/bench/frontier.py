@@ -1,0 +1,89 @@
+"""The latency frontier of a comparison: ITL p99 against TTFT p99, one point per configuration,
+with each ITL target as a vertical line — where an ITL target policy and fixed step budgets can be
+judged on one picture (a configuration *meets* a target when its ITL p99 is left of the line; of
+those, lower is better). Drawn when the configurations differ in ``target_itl_ms`` or in
+``max_num_batched_tokens``."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from tandem.bench.evaluate import Evaluation
+
+PLOT = "itl_ttft_frontier.png"
+_KEYS = ("target_itl_ms", "max_num_batched_tokens")
+
+
+def wanted(evaluations: list[Evaluation]) -> bool:
+    return len(evaluations) > 1 and any(
+        len({e.candidate.overrides.get(k) for e in evaluations}) > 1 for k in _KEYS)
+
+
+def targets(evaluations: list[Evaluation]) -> list[float]:
+    return sorted({float(t) for e in evaluations if (t := e.candidate.overrides.get("target_itl_ms"))})
+
+
+def _point(e: Evaluation) -> tuple[float, float]:
+    return e.summary["p99_itl_ms"], e.summary["p99_ttft_ms"]
+
+
+def _finite(e: Evaluation) -> bool:
+    return all(isinstance(v, (int, float)) and math.isfinite(v) for v in _point(e))
+
+
+def plot_frontier(evaluations: list[Evaluation], path: Path) -> None:
+    import matplotlib.pyplot as plt  # the Agg backend is chosen by tandem.bench.report
+    from matplotlib.ticker import FuncFormatter
+
+    from tandem.bench.report import save_figure
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    lines = targets(evaluations)
+    for e in filter(_finite, evaluations):
+        x, y = _point(e)
+        target = e.candidate.overrides.get("target_itl_ms")
+        meets = any(x <= t for t in lines) if target is None else x <= target
+        ax.scatter([x], [y], marker="*" if target else "o", s=160 if target else 50, zorder=3,
+                   color="tab:green" if meets or not lines else "tab:red")
+        ax.annotate(e.candidate.name, (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    for t in lines:
+        ax.axvline(t, color="gray", linestyle="--", zorder=1)
+        ax.annotate(f"target {t:g} ms", (t, 1), xycoords=("data", "axes fraction"), xytext=(3, -12),
+                    textcoords="offset points", fontsize=8, color="gray")
+    ax.set_xlabel("ITL p99 (ms)")
+    ax.set_ylabel("TTFT p99 (ms)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+        axis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+    ax.set_title("ITL p99 vs TTFT p99 (lower left is better; stars: ITL target policy; "
+                 "green: within a target)", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    save_figure(fig, path)
+
+
+def verdict(evaluations: list[Evaluation]) -> list[str]:
+    """Per ITL target: does the target configuration meet it, and how does its TTFT p99 compare
+    with every fixed-budget configuration that also meets it."""
+    out = []
+    fixed = [e for e in evaluations if not e.candidate.overrides.get("target_itl_ms") and _finite(e)]
+    for t in targets(evaluations):
+        for e in evaluations:
+            if float(e.candidate.overrides.get("target_itl_ms") or 0) != t or not _finite(e):
+                continue
+            itl, ttft = _point(e)
+            meeting = [f for f in fixed if _point(f)[0] <= t]
+            line = (f"- target {t:g} ms, **{e.candidate.name}**: ITL p99 {itl:,.0f} ms "
+                    f"({'meets' if itl <= t else 'misses'} the target), TTFT p99 {ttft:,.0f} ms; ")
+            if not meeting:
+                line += "no fixed budget meets the target."
+            else:
+                best = min(meeting, key=lambda f: _point(f)[1])
+                lower = all(ttft < _point(f)[1] for f in meeting)
+                line += (f"{len(meeting)} fixed budget(s) meet it, the best TTFT p99 among them "
+                         f"{_point(best)[1]:,.0f} ms ({best.candidate.name}): the target's TTFT p99 is "
+                         f"{'lower than every one' if lower else 'not lower than all'} of them.")
+            out.append(line)
+    return out
