@@ -36,6 +36,8 @@ class StepStats:
     num_running: int
     error: str | None = None
     chunks: tuple[ChunkStat, ...] = ()
+    predicted_seconds: float | None = None
+    """The step-time model's prediction of ``duration``, made before the step ran."""
 
     @property
     def num_sampled(self) -> int:
