@@ -8,10 +8,10 @@ compute per pair. ``features`` is the one definition of those quantities; the si
 what a fitted model of it would predict.
 
 ``StepTimeModel`` starts from a prior (a start-up estimate) and refits, every ``refit_every``
-measured steps, a least-squares fit over the last ``window`` steps, ridge-regularized toward
-the prior and constrained to non-negative coefficients. Features are scaled by their RMS over
-the window, so ``prior_weight`` reads as "the prior is worth this many steps", and a feature
-the window never varies (no prefill seen yet) keeps its prior coefficient.
+measured steps, a least-squares fit of the relative error over the last ``window`` steps,
+ridge-regularized toward the prior and constrained to non-negative coefficients. Features are
+scaled by their RMS over the window, so ``prior_weight`` reads as "the prior is worth this many
+steps", and a feature the window never shows (no prefill seen yet) keeps its prior coefficient.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class Observation:
 
 
 class StepTimeModel:
-    def __init__(self, prior: StepCost, window: int = 256, refit_every: int = 16, prior_weight: float = 4.0,
+    def __init__(self, prior: StepCost, window: int = 256, refit_every: int = 16, prior_weight: float = 0.1,
                  error_window: int = 1024) -> None:
         if window < 1 or refit_every < 1:
             raise ValueError("step_model_window: the window and the refit period must be >= 1")
@@ -120,18 +120,23 @@ class StepTimeModel:
 
 
 def fit(observations: Sequence[Observation], prior: Sequence[float], prior_weight: float) -> list[float]:
-    """Non-negative ridge least squares: minimize sum (y - x.c)^2 + w * sum (s_j (c_j - p_j))^2,
-    with ``s_j`` the RMS of feature j over the observations (so ``w`` counts pseudo-steps)."""
+    """Non-negative ridge least squares on *relative* error: minimize
+    sum ((y - x.c) / y)^2 + w * sum (s_j (c_j - p_j))^2, with ``s_j`` the RMS of x_j / y over the
+    observations (so ``w`` counts pseudo-steps). Relative, because a decode step of 20 ms must be
+    predicted as well as a prefill step of 2 s: the ITL budget is decided on the small ones."""
     k = len(prior)
-    scale = [(sum(o.x[j] ** 2 for o in observations) / len(observations)) ** 0.5 for j in range(k)]
-    # Normal equations in scaled coordinates u_j = c_j * s_j (features z_j = x_j / s_j).
+    rows = [([v / o.seconds for v in o.x], 1.0) for o in observations if o.seconds > 0]
+    if not rows:
+        return list(prior)
+    scale = [(sum(z[j] ** 2 for z, _ in rows) / len(rows)) ** 0.5 for j in range(k)]
+    # Normal equations in scaled coordinates u_j = c_j * s_j.
     gram = [[0.0] * k for _ in range(k)]
     rhs = [0.0] * k
-    for o in observations:
-        z = [o.x[j] / scale[j] if scale[j] else 0.0 for j in range(k)]
+    for z, y in rows:
+        z = [z[j] / scale[j] if scale[j] else 0.0 for j in range(k)]
         for i in range(k):
             if z[i]:
-                rhs[i] += z[i] * o.seconds
+                rhs[i] += z[i] * y
                 for j in range(k):
                     gram[i][j] += z[i] * z[j]
     target = [prior[j] * scale[j] for j in range(k)]
