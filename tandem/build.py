@@ -16,7 +16,9 @@ import torch
 from tandem.config import EngineConfig, ModelConfig
 from tandem.core.engine import Engine
 from tandem.core.outputs import StepStats
-from tandem.core.step import KVLayout
+from tandem.core.sampling_params import SamplingParams
+from tandem.core.step import KVLayout, ScheduledChunk, SchedulerOutput
+from tandem.core.step_time import Observation, StepCost, features, fit
 from tandem.kernels.cpu_features import cpu_info
 from tandem.models.auto_mode import AutoChoice, choose_quantization
 from tandem.models.base import CausalLM
@@ -218,6 +220,8 @@ def engine_for(
         raise ValueError("kv_cache_memory_gib: too small for a single KV-cache block")
     layout = KVLayout(num_blocks, config.cache.block_size)
     runner = ModelRunner(loaded.model, layout, loaded.device, loaded.dtype, config.model.seed)
+    prior = step_prior(runner, layout, loaded.max_model_len)
+    log.info("step-time prior: %s", prior)
     return Engine(
         config.scheduler,
         runner,
@@ -226,7 +230,42 @@ def engine_for(
         max_model_len=loaded.max_model_len,
         clock=clock,
         on_step=on_step,
+        step_prior=prior,
     )
+
+
+WARMUP_SECONDS = 0.8
+"""Start-up time the step-time prior may take (the shapes below stop early beyond it)."""
+
+
+def step_prior(runner: ModelRunner, layout: KVLayout, max_model_len: int) -> StepCost:
+    """The step-time model's start-up estimate: a few timed forward passes of different shapes
+    (one decode, a prompt chunk, a batch of decodes at a long context, a chunk behind a long
+    context), fitted as the online model fits. They run before any request, on the fresh KV cache:
+    what they write there is overwritten before any request reads it."""
+    positions = min(layout.num_slots, max_model_len)
+    far = min(1024, positions - 128)
+    chunk = max(1, min(128, positions - 1))
+    shapes = [[(0, 1)], [(0, chunk)]]
+    if far > 0:
+        shapes += [[(far, 1)] * 8, [(far, 64)], [(far, 1)]]
+    table = tuple(range(min(layout.num_blocks, layout.blocks_for(max(far + 64, chunk)))))
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    observations: list[Observation] = []
+    deadline = time.perf_counter() + WARMUP_SECONDS
+    for i, spans in enumerate(shapes):
+        out = SchedulerOutput(step_id=0, chunks=tuple(
+            ScheduledChunk(f"warmup-{i}-{j}", start, (1,) * n, table, params, True, n == 1, start + n)
+            for j, (start, n) in enumerate(spans)))
+        best = float("inf")
+        for _ in range(3):  # the first run of a shape pays its one-time costs; keep the best of the rest
+            t = time.perf_counter()
+            runner.execute(out)
+            best = min(best, time.perf_counter() - t)
+        observations.append(Observation(features(spans), best))
+        if time.perf_counter() > deadline:
+            break
+    return StepCost(*fit(observations, StepCost().vector(), prior_weight=0.5))
 
 
 def build_engine(

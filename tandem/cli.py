@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tandem.cli_args import add_dataclass_args, add_engine_args, dataclass_from_args, engine_config_from_args
 from tandem.config import ServerConfig
-from tandem.core.sampling_params import CLI_DEFAULTS, SamplingParams
+from tandem.core.sampling_params import CLI_DEFAULTS, TARGET_FIELDS, SamplingParams
 
 
 def _command(sub, name: str, help: str, description: str) -> argparse.ArgumentParser:
@@ -27,8 +27,8 @@ def _generate_parser(sub) -> None:
     )
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a concurrent batch)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt with timing data")
-    # The per-request seed is the engine's --seed.
-    add_dataclass_args(p, SamplingParams, "sampling options", skip=("seed",), defaults=CLI_DEFAULTS)
+    # The per-request seed is the engine's --seed; the latency targets are the engine's flags.
+    add_dataclass_args(p, SamplingParams, "sampling options", skip=("seed", *TARGET_FIELDS), defaults=CLI_DEFAULTS)
     add_engine_args(p)
 
 
@@ -36,7 +36,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     from tandem.llm import LLM
 
     config = engine_config_from_args(args)
-    params = dataclass_from_args(SamplingParams, args, seed=config.model.seed)
+    params = dataclass_from_args(SamplingParams, args, seed=config.model.seed, **dict.fromkeys(TARGET_FIELDS))
     print("loading model ...", file=sys.stderr, flush=True)
     llm = LLM(**config.flat())
     print(f"paths: {llm.loaded.paths_line()}", file=sys.stderr, flush=True)

@@ -76,6 +76,35 @@ class SchedulerConfig:
         default=1.0, metadata=_help("vtc: service counted per prompt token computed (recomputation is free)")
     )
     vtc_decode_weight: float = field(default=2.0, metadata=_help("vtc: service counted per output token"))
+    target_itl_ms: float | None = field(
+        default=None,
+        metadata=_help(
+            "chunked: while streams decode, size each step's prefill share so the step's predicted time "
+            "(the online step-time model) stays within this many ms, at least one KV block of prefill per "
+            "step; the full --max-num-batched-tokens when nothing decodes; a request's own target_itl_ms "
+            "may tighten it; None or 0 turns it off"
+        ),
+    )
+    target_ttft_ms: float | None = field(
+        default=None,
+        metadata=_help(
+            "chunked: a prompt predicted to miss its first token within this many ms of arrival takes a "
+            "larger prefill share than --target-itl-ms allows, if that share can still meet it (one that "
+            "cannot keeps the ITL share); a request's own target_ttft_ms replaces it; None or 0 turns it off"
+        ),
+    )
+    min_target_itl_ms: float = field(
+        default=20.0, metadata=_help("the tightest target_itl_ms a request may ask for (400 below)")
+    )
+    min_target_ttft_ms: float = field(
+        default=100.0, metadata=_help("the tightest target_ttft_ms a request may ask for (400 below)")
+    )
+    step_model_window: int = field(
+        default=256, metadata=_help("the step-time model is fitted on the last this many measured steps")
+    )
+    step_model_refit_every: int = field(
+        default=16, metadata=_help("the step-time model is refitted every this many measured steps")
+    )
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -95,6 +124,15 @@ class SchedulerConfig:
                 "max_long_partial_prefills: needs long_prefill_token_threshold > 0 to tell "
                 "which prompts are long"
             )
+        for name in ("target_itl_ms", "target_ttft_ms"):
+            value = getattr(self, name)
+            if value is not None and not _finite(value, least=0.0):
+                raise ValueError(f"{name}: must be a number of milliseconds >= 0 (0 or None: off), got {value!r}")
+        for name in ("min_target_itl_ms", "min_target_ttft_ms"):
+            if not _finite(getattr(self, name), least=0.0):
+                raise ValueError(f"{name}: must be a number of milliseconds >= 0, got {getattr(self, name)!r}")
+        _positive_int("step_model_window", self.step_model_window)
+        _positive_int("step_model_refit_every", self.step_model_refit_every)
 
 
 @dataclass(frozen=True)
@@ -234,6 +272,10 @@ _SECTION_TYPES: dict[str, type] = {"model": ModelConfig, "scheduler": SchedulerC
 def _positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+
+
+def _finite(value: Any, least: float) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and least <= value < float("inf")
 
 
 def _non_negative_int(name: str, value: Any) -> None:

@@ -5,11 +5,14 @@ explore policies at scale without a model. No torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from tandem.config import SchedulerConfig
 from tandem.core.engine import Engine
 from tandem.core.step import KVLayout, RunnerOutput, SampledToken, SchedulerOutput
+# The cost of a simulated step is the step-time model's formula with known coefficients, so the
+# engine's online fit of it can be checked against the truth.
+from tandem.core.step_time import StepCost
+
+__all__ = ["StepCost", "SimRunner", "SimTokenizer", "VirtualClock", "sim_engine"]
 
 
 class VirtualClock:
@@ -24,22 +27,6 @@ class VirtualClock:
 
     def advance_to(self, t: float) -> None:
         self.now = max(self.now, t)
-
-
-@dataclass(frozen=True)
-class StepCost:
-    """Seconds of one step: ``base + per_token * tokens + per_seq * sequences + per_context *
-    (KV positions read)`` — the shape of a real step: fixed weight reads, compute per token,
-    sampling per sequence, attention per visible key."""
-
-    base: float = 0.010
-    per_token: float = 0.0005
-    per_seq: float = 0.0002
-    per_context: float = 0.0
-
-    def seconds(self, out: SchedulerOutput) -> float:
-        context = sum(c.end for c in out.chunks)
-        return self.base + self.per_token * out.num_tokens + self.per_seq * len(out.chunks) + self.per_context * context
 
 
 class SimRunner:
@@ -74,5 +61,6 @@ class SimTokenizer:
 def sim_engine(config: SchedulerConfig, cost: StepCost, num_kv_blocks: int = 4096, block_size: int = 16,
                max_model_len: int = 16384) -> Engine:
     clock = VirtualClock()
+    # The prior of the engine's step-time model is the true cost: what a perfect start-up estimate gives.
     return Engine(config, SimRunner(clock, cost), SimTokenizer(), KVLayout(num_kv_blocks, block_size), max_model_len,
-                  clock=clock)
+                  clock=clock, step_prior=cost)

@@ -91,6 +91,7 @@ class TraceRecorder:
                     "step": s.step_id, "kind": s.kind, "prefill_tokens": s.num_prefill_tokens,
                     "decode_tokens": s.num_decode_tokens, "seqs": s.num_seqs, "kv_blocks_used": s.kv_blocks_used,
                     "preempted": s.num_preempted, "recomputed_tokens": s.num_recomputed_tokens, "error": s.error,
+                    "predicted_ms": None if s.predicted_seconds is None else round(s.predicted_seconds * 1e3, 3),
                 },
             })
             self.events.append({"ph": "C", "pid": _ENGINE_PID, "ts": ts, "name": "kv_blocks_used",

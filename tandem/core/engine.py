@@ -27,6 +27,8 @@ from tandem.core.outputs import ChunkStat, RequestOutput, StepStats
 from tandem.core.request import FinishReason, Request, SamplingParams
 from tandem.core.scheduler import Scheduler
 from tandem.core.step import KVLayout, RunnerOutput, SchedulerOutput
+from tandem.core.step_time import StepCost, StepTimeModel, features
+from tandem.core.target_budget import check_request_targets
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
         on_step: Callable[[StepStats], None] | None = None,
         record_steps: bool = True,
+        step_prior: StepCost | None = None,
     ) -> None:
         self.clock = clock
         self.runner = runner
@@ -62,6 +65,13 @@ class Engine:
         self.max_model_len = max_model_len
         self.allocator = BlockAllocator(kv_layout)
         self.scheduler = Scheduler(scheduler_config, self.allocator, clock)
+        # Fitted on every measured step (its coefficients are metrics); the chunked policy sizes
+        # steps with it. ``step_prior``: the start-up estimate (``tandem.build.step_prior``).
+        self.step_model = StepTimeModel(step_prior or StepCost(), scheduler_config.step_model_window,
+                                        scheduler_config.step_model_refit_every)
+        use_model = getattr(self.scheduler.policy, "use_step_model", None)
+        if use_model is not None:
+            use_model(self.step_model, clock)
         self.step_stats: list[StepStats] = []
         self.record_steps = record_steps  # a long-running server keeps none; on_step sees each
         self.on_step = on_step
@@ -99,6 +109,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         params.validate()
+        check_request_targets(params, self.scheduler.config)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority: must be an integer, got {priority!r}")
         if not isinstance(user, str):
@@ -257,10 +268,15 @@ class Engine:
         )
 
     def _record(self, start: float, out: SchedulerOutput, result: RunnerOutput, error: str | None) -> None:
+        x = features((c.start, c.num_tokens) for c in out.chunks)
+        predicted = self.step_model.predict(x) if out.chunks else None
+        duration = self.clock() - start
+        if predicted is not None and error is None:  # a failed step's retries are no step's cost
+            self.step_model.observe(x, duration, predicted)
         stats = StepStats(
             step_id=out.step_id,
             start=start,
-            duration=self.clock() - start,
+            duration=duration,
             forward_seconds=result.forward_seconds,
             kind=out.kind,
             num_prefill_tokens=out.num_prefill_tokens,
@@ -277,6 +293,7 @@ class Engine:
                 for c in out.chunks
             ),
             num_recomputed_tokens=out.num_recomputed_tokens,
+            predicted_seconds=predicted,
         )
         if self.record_steps:
             self.step_stats.append(stats)

@@ -40,6 +40,8 @@ class StepStats:
     chunks: tuple[ChunkStat, ...] = ()
     num_recomputed_tokens: int = 0
     """Of ``num_prefill_tokens``, those recomputed after a preemption rather than prefilled first-time."""
+    predicted_seconds: float | None = None
+    """The step-time model's prediction of ``duration``, made before the step ran."""
 
     @property
     def num_sampled(self) -> int:

@@ -5,7 +5,8 @@
 * ``prefill-first`` — continuous batching: if the head of the queue fits, the step prefills
                       waiting prompts whole (running streams pause); otherwise it decodes.
 * ``chunked``       — one token budget per step: running decodes first, then chunks of
-                      partially prefilled and waiting prompts fill what is left.
+                      partially prefilled and waiting prompts fill what is left; with latency
+                      targets the prefill share is sized by ``target_budget.PrefillShare``.
 
 For ``prefill-first`` the budget limits how many prompts share a prefill step; a single prompt
 longer than the budget still runs, alone, in one step. ``static`` prefills its whole batch (bounded
@@ -14,11 +15,14 @@ by ``max_num_seqs`` and the KV cache) in one step, as one padded ``generate()`` 
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Protocol
 
 from tandem.core.budget import StepBudget
 from tandem.core.queues import RequestQueues
 from tandem.core.request import Request, RequestStatus
+from tandem.core.step_time import StepCost, StepTimeModel
+from tandem.core.target_budget import PrefillShare
 
 
 class PolicySettings(Protocol):
@@ -26,6 +30,8 @@ class PolicySettings(Protocol):
 
     long_prefill_token_threshold: int
     max_long_partial_prefills: int
+    target_itl_ms: float | None
+    target_ttft_ms: float | None
 
 
 class Policy(Protocol):
@@ -78,8 +84,16 @@ class ChunkedPolicy:
     name = "chunked"
 
     def __init__(self, settings: PolicySettings) -> None:
+        self.settings = settings
         self.threshold = settings.long_prefill_token_threshold
         self.max_long = settings.max_long_partial_prefills
+        # The engine replaces these with its fitted model and its clock (``use_step_model``).
+        self.step_model = StepTimeModel(StepCost())
+        self.clock: Callable[[], float] = time.monotonic
+
+    def use_step_model(self, model: StepTimeModel, clock: Callable[[], float]) -> None:
+        self.step_model = model
+        self.clock = clock
 
     def _is_long(self, request: Request) -> bool:
         return self.threshold > 0 and request.num_tokens > self.threshold
@@ -96,12 +110,16 @@ class ChunkedPolicy:
                 break
             if request.status is RequestStatus.RUNNING and not request.is_prefilling:
                 budget.schedule_running(request, 1)
+        share = PrefillShare(self.step_model, budget.planned, self.settings, budget.allocator.block_size,
+                             self.clock())
         # 2. Prompts already part-way through their prefill.
         for request in ranked:
             if budget.tokens_left <= 0:
                 break
             if request.status is RequestStatus.RUNNING and not budget.is_scheduled(request):
-                budget.schedule_running(request, self._chunk(request, budget.tokens_left))
+                start, n = request.num_computed_tokens, share.size(request, self._chunk(request, budget.tokens_left))
+                if n and budget.schedule_running(request, n):
+                    share.take(start, n)
         # 3. New prompts, in rank order; long ones wait while the long-prefill cap is reached.
         long_active = sum(1 for r in queues.running if r.is_prefilling and self._is_long(r))
         for request in queues.admission_order():
@@ -110,8 +128,12 @@ class ChunkedPolicy:
             is_long = self._is_long(request)
             if is_long and self.max_long and long_active >= self.max_long:
                 continue
-            if not budget.admit(request, self._chunk(request, budget.tokens_left)):
+            start, n = request.num_computed_tokens, share.size(request, self._chunk(request, budget.tokens_left))
+            if not n:  # no time left for it; a later prompt may still need its TTFT share
+                continue
+            if not budget.admit(request, n):
                 break
+            share.take(start, n)
             long_active += is_long
 
 

@@ -44,6 +44,12 @@ class SamplingParams:
     logprobs: int | None = field(default=None, metadata=_help(
         "return the sampled token's logprob and this many top alternatives (0: sampled only)"))
     include_stop_str_in_output: bool = field(default=False, metadata=_help("keep the matched stop string in the text"))
+    target_itl_ms: float | None = field(default=None, metadata=_help(
+        "this request's inter-token latency target (ms); tightens the engine's --target-itl-ms for the steps "
+        "it decodes in, never below --min-target-itl-ms"))
+    target_ttft_ms: float | None = field(default=None, metadata=_help(
+        "this request's time-to-first-token target (ms), replacing the engine's --target-ttft-ms; never below "
+        "--min-target-ttft-ms"))
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,11 +75,20 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids: must be non-negative integers, got {self.stop_token_ids!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs: must be an integer in [0, 20], got {self.logprobs!r}")
+        for name in TARGET_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (not _is_number(value) or not 0 < value < math.inf):
+                raise ValueError(f"{name}: must be a number of milliseconds > 0, got {value!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+
+TARGET_FIELDS = ("target_itl_ms", "target_ttft_ms")
+"""Per-request latency targets; the engine's bounds on them are checked where the engine's
+configuration is known (``tandem.core.target_budget.check_request_targets``). ``tandem generate``
+sets the engine's own targets (its scheduler flags of the same names), not these."""
 
 CLI_DEFAULTS: dict[str, Any] = {"max_tokens": 64, "temperature": 0.0}
 """``tandem generate``'s defaults where they differ from the fields' own."""

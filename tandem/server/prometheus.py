@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from tandem.core.engine import Engine
 from tandem.core.outputs import RequestOutput, StepStats
+from tandem.core.step_time import TERMS
 from tandem.latency import tpot
 from tandem.server.user_metrics import UserMetrics
 from tandem.utilization import ModelCost, Peaks
@@ -23,6 +24,7 @@ from tandem.utilization import ModelCost, Peaks
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
             20.0, 40.0, 80.0, 160.0, 640.0)
 _ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REL_ERROR = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
 _TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 VTC_SNAPSHOT_S = 1.0  # a busy engine's fairness counters are copied for /metrics at most this often
 
@@ -81,6 +83,12 @@ class ServerMetrics:
             peaks.flops_per_s)
         Gauge("tandem:peak_memory_bandwidth_bytes", "Peak bytes/s used for utilization.", m,
               registry=r).labels(model_name).set(peaks.bytes_per_s)
+        self.step_coefficient = Gauge(
+            "tandem:step_time_model_coefficient",
+            "The online step-time model: seconds per unit of each term (base, per_token, per_seq, "
+            "per_context = per KV position read, per_pair = per attention pair).", [*m, "term"], registry=r)
+        self.step_error = hist("step_time_prediction_error",
+                               "|predicted - measured| / measured step time, per step.", _REL_ERROR)
         self.engine_info = Info("tandem:engine", "Which paths run: CPU, kernel variant, dtype, weight format, "
                                 "each op's implementation.", m, registry=r)
         self._recent: deque[tuple[float, float, float, float]] = deque()  # (end, duration, flops, bytes)
@@ -119,6 +127,12 @@ class ServerMetrics:
         self.running.labels(lm).set(engine.num_running)
         self.waiting.labels(lm).set(engine.num_waiting)
         self.kv_usage.labels(lm).set(s.kv_blocks_used / s.kv_blocks_total)
+        if s.predicted_seconds is not None and s.duration > 0 and s.error is None:
+            self.step_error.labels(lm).observe(abs(s.predicted_seconds - s.duration) / s.duration)
+        model = getattr(engine, "step_model", None)
+        if model is not None:
+            for term, value in zip(TERMS, model.coefficients.vector()):
+                self.step_coefficient.labels(lm, term).set(value)
         flops, nbytes = self.cost.step(s.spans(), s.num_sampled)
         with self._lock:
             end = s.start + s.duration

@@ -110,6 +110,12 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     priority: Int = 0
     stop_token_ids: list[Int] | None = None
+    target_itl_ms: float | None = Field(default=None, description=(
+        "inter-token latency target (ms) for this request's stream; tightens the server's --target-itl-ms, "
+        "never below its --min-target-itl-ms"))
+    target_ttft_ms: float | None = Field(default=None, description=(
+        "time-to-first-token target (ms), replacing the server's --target-ttft-ms; never below its "
+        "--min-target-ttft-ms"))
 
     def tenant(self, header: str | None) -> str:
         """The user this request is served for: the ``X-Tandem-User`` header, else the body's
@@ -147,6 +153,8 @@ class _Common(BaseModel):
                 stop_token_ids=self.stop_token_ids or (),
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                target_itl_ms=self.target_itl_ms,
+                target_ttft_ms=self.target_ttft_ms,
             )
         except ValueError as exc:
             raise from_value_error(exc) from None

@@ -1,0 +1,181 @@
+"""The step-time model: seconds of one step from the shape of its chunks, fitted online.
+
+``seconds = base + per_token * tokens + per_seq * sequences + per_context * (KV positions read)
++ per_pair * (attention (query, key) pairs)``: fixed weight reads, compute per token, sampling
+and bookkeeping per sequence, attention's memory reads per visible key, and prefill attention's
+compute per pair. ``features`` is the one definition of those quantities; the simulator's
+``StepCost`` (``tandem.sim``) is this module's coefficients, so a simulated step costs exactly
+what a fitted model of it would predict.
+
+``StepTimeModel`` starts from a prior (a start-up estimate) and refits, every ``refit_every``
+measured steps, a least-squares fit of the relative error over the last ``window`` steps,
+ridge-regularized toward the prior and constrained to non-negative coefficients. Features are
+scaled by their RMS over the window, so ``prior_weight`` reads as "the prior is worth this many
+steps", and a feature the window never shows (no prefill seen yet) keeps its prior coefficient.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import astuple, dataclass, fields
+from typing import Iterable, Sequence
+
+from tandem.core.step import SchedulerOutput
+
+TERMS = ("base", "per_token", "per_seq", "per_context", "per_pair")
+"""Coefficient names, in feature order (metrics label them so)."""
+
+Features = tuple[float, float, float, float, float]
+
+
+def features(spans: Iterable[tuple[int, int]]) -> Features:
+    """(1, tokens, sequences, KV positions read, attention pairs) of a step whose chunks are
+    ``(start position, tokens)``; a chunk's queries each see the keys up to their own position."""
+    tokens = seqs = context = pairs = 0
+    for start, n in spans:
+        tokens += n
+        seqs += 1
+        context += start + n
+        pairs += n * start + n * (n + 1) // 2
+    return (1.0, float(tokens), float(seqs), float(context), float(pairs))
+
+
+def chunk_features(start: int, n: int) -> Features:
+    """One chunk's share of ``features`` (no base): what adding it to a step adds."""
+    return (0.0, float(n), 1.0, float(start + n), float(n * start + n * (n + 1) // 2))
+
+
+def add(a: Sequence[float], b: Sequence[float]) -> Features:
+    return tuple(x + y for x, y in zip(a, b))  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Coefficients of the step-time formula (seconds); see the module docstring."""
+
+    base: float = 0.010
+    per_token: float = 0.0005
+    per_seq: float = 0.0002
+    per_context: float = 0.0
+    per_pair: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+                raise ValueError(f"{f.name}: a step-time coefficient must be a number >= 0, got {value!r}")
+
+    def vector(self) -> Features:
+        return astuple(self)  # type: ignore[return-value]
+
+    def predict(self, x: Sequence[float]) -> float:
+        # spelled out: the policy predicts a few times per chunk it sizes, every step
+        return (self.base * x[0] + self.per_token * x[1] + self.per_seq * x[2] + self.per_context * x[3]
+                + self.per_pair * x[4])
+
+    def seconds(self, out: SchedulerOutput) -> float:
+        return self.predict(features((c.start, c.num_tokens) for c in out.chunks))
+
+
+@dataclass(frozen=True)
+class Observation:
+    x: Features
+    seconds: float
+
+
+class StepTimeModel:
+    def __init__(self, prior: StepCost, window: int = 256, refit_every: int = 16, prior_weight: float = 0.1,
+                 error_window: int = 1024) -> None:
+        if window < 1 or refit_every < 1:
+            raise ValueError("step_model_window: the window and the refit period must be >= 1")
+        self.prior = prior
+        self.coefficients = prior
+        self.prior_weight = prior_weight
+        self.refit_every = refit_every
+        self.window: deque[Observation] = deque(maxlen=window)
+        self.errors: deque[float] = deque(maxlen=error_window)
+        """Relative error (predicted - measured) / measured of each step predicted before it ran."""
+        self._since_fit = 0
+
+    def predict(self, x: Sequence[float]) -> float:
+        return self.coefficients.predict(x)
+
+    def observe(self, x: Features, seconds: float, predicted: float | None = None) -> float | None:
+        """Record a measured step; returns its relative prediction error when a prediction is given."""
+        error = None
+        if predicted is not None and seconds > 0:
+            error = (predicted - seconds) / seconds
+            self.errors.append(error)
+        self.window.append(Observation(x, seconds))
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every:
+            self.refit()
+        return error
+
+    def refit(self) -> StepCost:
+        self._since_fit = 0
+        if self.window:
+            self.coefficients = StepCost(*fit(list(self.window), self.prior.vector(), self.prior_weight))
+        return self.coefficients
+
+
+def fit(observations: Sequence[Observation], prior: Sequence[float], prior_weight: float) -> list[float]:
+    """Non-negative ridge least squares on *relative* error: minimize
+    sum ((y - x.c) / y)^2 + w * sum (s_j (c_j - p_j))^2, with ``s_j`` the RMS of x_j / y over the
+    observations (so ``w`` counts pseudo-steps). Relative, because a decode step of 20 ms must be
+    predicted as well as a prefill step of 2 s: the ITL budget is decided on the small ones."""
+    k = len(prior)
+    rows = [([v / o.seconds for v in o.x], 1.0) for o in observations if o.seconds > 0]
+    if not rows:
+        return list(prior)
+    scale = [(sum(z[j] ** 2 for z, _ in rows) / len(rows)) ** 0.5 for j in range(k)]
+    # Normal equations in scaled coordinates u_j = c_j * s_j.
+    gram = [[0.0] * k for _ in range(k)]
+    rhs = [0.0] * k
+    for z, y in rows:
+        z = [z[j] / scale[j] if scale[j] else 0.0 for j in range(k)]
+        for i in range(k):
+            if z[i]:
+                rhs[i] += z[i] * y
+                for j in range(k):
+                    gram[i][j] += z[i] * z[j]
+    target = [prior[j] * scale[j] for j in range(k)]
+    for j in range(k):
+        gram[j][j] += prior_weight
+        rhs[j] += prior_weight * target[j]
+    free = list(range(k))
+    while True:
+        u = _solve([[gram[i][j] for j in free] for i in free], [rhs[i] for i in free])
+        negative = [(v, j) for v, j in zip(u, free) if v < 0]
+        if not negative:
+            break
+        # A coefficient that wants to be negative is pinned at 0 and the rest refitted: time never
+        # falls when a step grows. Pinning lowers the dimension, so this ends.
+        free.remove(min(negative)[1])
+    solution = dict(zip(free, u))
+    out = []
+    for j in range(k):
+        if j not in solution:
+            out.append(0.0)
+        elif scale[j]:
+            out.append(solution[j] / scale[j])
+        else:  # never seen: the data says nothing, the prior stands
+            out.append(prior[j])
+    return out
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (the system is small and positive definite)."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x

@@ -1,0 +1,144 @@
+"""The prefill share of a step under latency targets (what the chunked policy may prefill).
+
+The rule, for one step, after the running decodes are planned:
+
+* **ITL.** While any decode runs, the step's target T is the tightest ``target_itl_ms`` among
+  the decoding requests (a request's own, else the engine's). Prefill chunks are granted, in
+  rank order, the most tokens that keep the step-time model's prediction of the whole step
+  within T. Whatever the prediction says, the step gets one KV block (``block_size`` tokens) of
+  prefill, so prompts never starve. With no decode running, or no target, the share is the
+  whole token budget (``max_num_batched_tokens``).
+* **TTFT.** A prompt with a ``target_ttft_ms`` (its own, else the engine's) whose predicted
+  first token, at the ITL share, lands after its deadline (arrival + target) may take more: the
+  smallest chunk per step that meets the deadline. It does so only if that is possible within
+  this step's token budget; a prompt that would miss its deadline anyway keeps the ITL share,
+  so a lost cause does not stall every stream too. So TTFT wins over ITL for prompts that can
+  still make it, and ITL wins otherwise.
+
+The predicted time to a first token counts the steps left to prefill the prompt at a given
+chunk size (each carrying the current decodes), not the prompts queued ahead of it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol, Sequence
+
+from tandem.core.budget import Planned
+from tandem.core.request import Request
+from tandem.core.sampling_params import SamplingParams
+from tandem.core.step_time import StepTimeModel, add, chunk_features, features
+
+
+class TargetSettings(Protocol):
+    """What the share reads of ``tandem.config.SchedulerConfig``."""
+
+    target_itl_ms: float | None
+    target_ttft_ms: float | None
+
+
+class TargetLimits(Protocol):
+    min_target_itl_ms: float
+    min_target_ttft_ms: float
+
+
+def check_request_targets(params: SamplingParams, limits: TargetLimits) -> None:
+    """A request may not ask for a tighter target than the engine allows (ValueError naming the field)."""
+    for name in ("target_itl_ms", "target_ttft_ms"):
+        value, least = getattr(params, name), getattr(limits, "min_" + name)
+        if value is not None and value < least:
+            raise ValueError(f"{name}: must be at least {least:g} ms on this server, got {value!r}")
+
+
+def _seconds(ms: float | None) -> float | None:
+    return ms / 1000.0 if ms else None
+
+
+def itl_target(decodes: Sequence[Request], default_ms: float | None) -> float | None:
+    """Seconds: the tightest ITL target among the decoding requests (None: no target)."""
+    targets = [t for t in (_seconds(r.params.target_itl_ms) or _seconds(default_ms) for r in decodes) if t]
+    return min(targets, default=None)
+
+
+class PrefillShare:
+    """One step's prefill allowance: ``size`` a chunk, then ``take`` it once it is scheduled."""
+
+    def __init__(self, model: StepTimeModel, planned: Sequence[Planned], settings: TargetSettings,
+                 block_size: int, now: float) -> None:
+        self.model = model
+        self.now = now
+        self.ttft_default_ms = settings.target_ttft_ms
+        self.num_decodes = len(planned)
+        self.decode_x = features((p.start, p.num_tokens) for p in planned)
+        self.x = self.decode_x  # the step as planned so far
+        self.target = itl_target([p.request for p in planned], settings.target_itl_ms) if planned else None
+        self.min_tokens = block_size
+        self.granted = 0
+
+    @property
+    def limited(self) -> bool:
+        return self.target is not None
+
+    def predicted(self) -> float:
+        return self.model.predict(self.x)
+
+    def size(self, request: Request, want: int) -> int:
+        """Tokens of ``request``'s next chunk, at most ``want`` (its token-budget chunk)."""
+        if want <= 0 or not self.limited:
+            return max(want, 0)
+        start = request.num_computed_tokens
+        n = max(self._fits(start, want), min(want, self.min_tokens - self.granted))
+        return max(n, self._ttft_chunk(request, start, n, want))
+
+    def take(self, start: int, n: int) -> None:
+        self.x = add(self.x, chunk_features(start, n))
+        self.granted += n
+
+    def _fits(self, start: int, want: int) -> int:
+        """The largest chunk at ``start`` that keeps the predicted step within the target."""
+        if self.model.predict(add(self.x, chunk_features(start, 1))) > self.target:
+            return 0  # the common case once the step is full: no search
+        lo, hi = 1, want
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.model.predict(add(self.x, chunk_features(start, mid))) <= self.target:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _ttft_chunk(self, request: Request, start: int, itl_n: int, want: int) -> int:
+        """The smallest chunk per step that meets the request's TTFT deadline, if it can; else 0."""
+        target = _seconds(request.params.target_ttft_ms) or _seconds(self.ttft_default_ms)
+        if target is None or request.num_output_tokens:  # a recompute already had its first token
+            return 0
+        left = request.arrival_time + target - self.now
+        remaining = request.num_uncomputed_tokens
+        if itl_n and self._time_to_first_token(start, remaining, itl_n) <= left:
+            return 0
+        if self._time_to_first_token(start, remaining, want) > left:
+            return 0  # cannot make it within the budget: ITL wins
+        lo, hi = max(itl_n, 1), want
+        while lo < hi:  # fewer, larger steps finish sooner: the time falls as the chunk grows
+            mid = (lo + hi) // 2
+            if self._time_to_first_token(start, remaining, mid) <= left:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _time_to_first_token(self, start: int, remaining: int, n: int) -> float:
+        """Predicted seconds of the steps that prefill ``remaining`` tokens from ``start`` in chunks of
+        ``n``, each step also carrying the current decodes (whose contexts grow a token per step)."""
+        m = math.ceil(remaining / n)
+        d = self.num_decodes
+        base, tokens, seqs, context, pairs = self.decode_x
+        grow = d * m * (m - 1) / 2  # decode keys added over the m steps
+        total = (
+            base * m,
+            tokens * m + remaining,
+            seqs * m + m,
+            context * m + grow + (m - 1) * start + n * (m - 1) * m / 2 + start + remaining,
+            pairs * m + grow + remaining * start + remaining * (remaining + 1) / 2,
+        )
+        return self.model.predict(total)

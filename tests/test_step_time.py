@@ -1,0 +1,129 @@
+"""The step-time model: one feature definition shared with the simulator, the online fit
+(recovers known coefficients, never negative, keeps the prior where data says nothing), the
+prediction record on StepStats, and its metrics and trace fields."""
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from tandem.config import SchedulerConfig
+from tandem.core.request import SamplingParams
+from tandem.core.step_time import Observation, StepCost, StepTimeModel, chunk_features, features, fit
+from tandem.sim import sim_engine
+from tandem.utilization import ModelCost
+
+TRUE = StepCost(base=0.012, per_token=0.0004, per_seq=0.0003, per_context=2e-6, per_pair=1e-7)
+
+
+def random_spans(rng: random.Random) -> list[tuple[int, int]]:
+    spans = [(rng.randint(10, 3000), 1) for _ in range(rng.randint(0, 24))]
+    for _ in range(rng.randint(0, 3)):
+        spans.append((rng.randint(0, 6000), rng.randint(1, 512)))
+    return spans or [(0, 1)]
+
+
+def test_features_are_the_cost_models_and_the_simulators():
+    spans = [(0, 5), (7, 1), (3, 4)]
+    x = features(spans)
+    assert x == (1.0, 10.0, 3.0, 5 + 8 + 7, 15 + 8 + (12 + 10))
+    # attention pairs as the utilization model counts them
+    cost = ModelCost(layer_params=0, head_params=0, attn_flops_per_pair=1, kv_bytes_per_token=1, weight_bytes=1)
+    flops, nbytes = cost.step(spans, num_sampled=0)
+    assert (flops, nbytes) == (x[4], x[3])
+    # a chunk's own share adds up to the step's features
+    total = (1.0, 0.0, 0.0, 0.0, 0.0)
+    for start, n in spans:
+        total = tuple(a + b for a, b in zip(total, chunk_features(start, n)))
+    assert total == x
+
+
+def test_sim_step_cost_is_the_model_formula():
+    engine = sim_engine(SchedulerConfig(max_num_batched_tokens=64), TRUE)
+    engine.add_request(list(range(1, 100)), SamplingParams(max_tokens=5, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    for s in engine.step_stats:
+        assert s.duration == pytest.approx(TRUE.predict(features(s.spans())), rel=1e-12)
+        # the prior is the truth, so every prediction made before a step is exact
+        assert s.predicted_seconds == pytest.approx(s.duration, rel=1e-9)
+    assert engine.step_model.errors and max(abs(e) for e in engine.step_model.errors) < 1e-9
+
+
+def test_online_fit_recovers_known_coefficients_from_noisy_steps():
+    rng = random.Random(7)
+    model = StepTimeModel(StepCost(base=0.05, per_token=0.002, per_seq=0.0, per_context=0.0, per_pair=0.0),
+                          window=256, refit_every=16)
+    for _ in range(512):
+        x = features(random_spans(rng))
+        model.observe(x, TRUE.predict(x) * rng.gauss(1.0, 0.01))
+    got = model.coefficients
+    for name in ("base", "per_token", "per_context", "per_pair"):
+        assert getattr(got, name) == pytest.approx(getattr(TRUE, name), rel=0.1), name
+    # a decode adds a token, a sequence and a position at once: only prompt chunks tell those apart
+    assert got.per_seq == pytest.approx(TRUE.per_seq, rel=0.3)
+    # and so it predicts fresh steps within the noise
+    x = features(random_spans(rng))
+    assert model.predict(x) == pytest.approx(TRUE.predict(x), rel=0.03)
+
+
+def test_fit_never_goes_negative_and_keeps_the_prior_where_nothing_varies():
+    rng = random.Random(1)
+    truth = StepCost(base=0.01, per_token=0.0, per_seq=0.001, per_context=0.0, per_pair=0.0)
+    obs = []
+    for _ in range(200):
+        x = features([(rng.randint(0, 500), 1) for _ in range(rng.randint(1, 30))])  # decodes only
+        obs.append(Observation(x, truth.predict(x) + rng.gauss(0, 0.002)))
+    prior = StepCost(base=0.0, per_token=0.0, per_seq=0.0, per_context=0.0, per_pair=3e-7)
+    c = fit(obs, prior.vector(), prior_weight=1.0)
+    assert all(v >= 0 for v in c)
+    # a decode is one token and one sequence (and its pairs are its context): the fit splits such
+    # terms as the prior and the data allow, never into negatives
+    assert c[1] + c[2] == pytest.approx(0.001, rel=0.15)
+    assert c[0] == pytest.approx(0.01, rel=0.15)
+
+
+def test_unseen_feature_keeps_its_prior():
+    prior = StepCost(base=0.01, per_token=0.001, per_seq=0.0, per_context=0.0, per_pair=5e-8)
+    obs = [Observation((1.0, 0.0, 0.0, 0.0, 0.0), 0.02)] * 10  # only the base was ever seen
+    c = fit(obs, prior.vector(), prior_weight=1.0)
+    assert c[1] == prior.per_token and c[4] == prior.per_pair
+    assert c[0] == pytest.approx(0.02, rel=0.1)
+
+
+def test_engine_fits_a_wrong_prior_and_the_errors_shrink():
+    config = SchedulerConfig(max_num_batched_tokens=128, step_model_window=64, step_model_refit_every=8)
+    engine = sim_engine(config, TRUE)
+    engine.step_model.prior = engine.step_model.coefficients = StepCost(base=0.1, per_token=0.0, per_seq=0.0)
+    rng = random.Random(3)
+    for i in range(24):
+        engine.add_request(list(range(1, rng.randint(20, 400))), SamplingParams(max_tokens=rng.randint(5, 40),
+                                                                             ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    errors = list(engine.step_model.errors)
+    assert abs(errors[0]) > 0.5  # the prior was far off
+    assert sum(abs(e) for e in errors[-20:]) / 20 < 0.1
+
+
+def test_coefficients_and_errors_reach_metrics_and_trace(tmp_path):
+    from tandem.server.prometheus import ServerMetrics
+    from tandem.trace import TraceRecorder
+    from tandem.utilization import Peaks
+
+    engine = sim_engine(SchedulerConfig(), TRUE)
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    cost = ModelCost(layer_params=1, head_params=1, attn_flops_per_pair=1, kv_bytes_per_token=1, weight_bytes=4)
+    metrics = ServerMetrics("m", cost, Peaks(1.0, 1.0, True))
+    trace = TraceRecorder(tmp_path / "t.json")
+    view = SimpleNamespace(num_running=0, num_waiting=0, step_model=engine.step_model)
+    for s in engine.step_stats:
+        metrics.on_step(s, view)
+        trace.on_step(s)
+    text = metrics.render(0, 0, 0.0).decode()
+    assert 'tandem:step_time_model_coefficient{model_name="m",term="per_token"} 0.0004' in text
+    assert f'tandem:step_time_prediction_error_count{{model_name="m"}} {len(engine.step_stats)}.0' in text
+    steps = [e for e in trace.events if e.get("ph") == "X" and e["pid"] == 1]
+    assert steps and all(e["args"]["predicted_ms"] == pytest.approx(e["dur"] / 1e3, abs=0.01) for e in steps)
