@@ -4,17 +4,12 @@
 ``execute(SchedulerOutput) -> RunnerOutput``) and a tokenizer, with an injected clock, so a
 simulator can run the same scheduling code on virtual time.
 
-A step whose runner raises is retried in halves until each failure is pinned on requests that
-fail on their own: only those finish with an error, the others get their token as if nothing
-happened. Re-running a chunk is safe: it rewrites the same KV slots with the same values, and
-the sampler draws no noise in a step that fails. ``step_fault`` tells whether a failure is the
-engine's rather than a request's: every request of the step failed and there were several, or
-a lone request failed right after another step that served no request.
+A step whose runner raises fails only the requests that fail on their own (``isolation.py``);
+``step_fault`` says whether a failure was the engine's rather than a request's.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -22,6 +17,7 @@ from typing import Callable, Protocol, Sequence
 
 from tandem.config import SchedulerConfig
 from tandem.core.detokenizer import IncrementalDetokenizer
+from tandem.core.isolation import FaultJudge, Runner, execute_isolated
 from tandem.core.kv_blocks import BlockAllocator
 from tandem.core.outputs import ChunkStat, RequestOutput, StepStats
 from tandem.core.request import FinishReason, Request, SamplingParams
@@ -31,10 +27,6 @@ from tandem.core.step_time import StepCost, StepTimeModel, features
 from tandem.core.target_budget import check_request_targets
 
 log = logging.getLogger(__name__)
-
-
-class Runner(Protocol):
-    def execute(self, output: SchedulerOutput) -> RunnerOutput: ...
 
 
 class TokenizerLike(Protocol):
@@ -76,9 +68,7 @@ class Engine:
         self.record_steps = record_steps  # a long-running server keeps none; on_step sees each
         self.on_step = on_step
         self.last_error: str | None = None
-        self.step_fault: str | None = None
-        """The engine-wide fault of the last step, if it had one (see the module docstring)."""
-        self._unjudged: str | None = None  # a lone request's failure, judged by the next step
+        self._faults = FaultJudge()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
 
@@ -186,15 +176,15 @@ class Engine:
             return []
         start = self.clock()
         sched_out = self.scheduler.schedule()
-        self.step_fault = None
+        self._faults.step_fault = None
         result, culprits = RunnerOutput(sampled={}), {}
         if not sched_out.is_empty:
-            result, culprits = self._execute_isolated(sched_out, first=True)
+            result, culprits = execute_isolated(self.runner, sched_out)
         error = next(iter(culprits.values()), None)
         if error is not None:
             self.last_error = error
         if not sched_out.is_empty:
-            self._judge(len(sched_out.chunks), len(culprits), error)
+            self._faults.judge(len(sched_out.chunks), len(culprits), error)
         failed: list[tuple[Request, str]] = []
         for request_id, message in culprits.items():
             request = self.scheduler.requests.get(request_id)
@@ -207,37 +197,10 @@ class Engine:
         self._record(start, sched_out, result, error)
         return outputs
 
-    def _execute_isolated(self, out: SchedulerOutput, first: bool = False) -> tuple[RunnerOutput, dict[str, str]]:
-        """The runner's output for ``out`` and, where it raised, the error of each request that
-        fails alone (one bad request must not fail the others, nor a bad step the engine)."""
-        try:
-            return self.runner.execute(out), {}
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            if first:
-                log.exception("step %d failed", out.step_id)
-            if len(out.chunks) == 1:
-                log.warning("step %d: request %s fails alone: %s", out.step_id, out.chunks[0].request_id, error)
-                return RunnerOutput(sampled={}), {out.chunks[0].request_id: error}
-        mid = len(out.chunks) // 2
-        result, culprits = RunnerOutput(sampled={}), {}
-        for i, part in enumerate((out.chunks[:mid], out.chunks[mid:])):
-            # the runner drops finished requests' state once; the retry needs no second time
-            sub = dataclasses.replace(out, chunks=part, finished_ids=() if i else out.finished_ids)
-            r, c = self._execute_isolated(sub)
-            result.sampled.update(r.sampled)
-            result.forward_seconds += r.forward_seconds
-            culprits.update(c)
-        return result, culprits
-
-    def _judge(self, num_chunks: int, num_failed: int, error: str | None) -> None:
-        """Set ``step_fault`` when the failure cannot be the requests' own."""
-        if num_failed < num_chunks:  # the runner served someone: it works
-            self._unjudged = None
-        elif num_chunks > 1 or self._unjudged is not None:
-            self.step_fault = error
-        else:
-            self._unjudged = error
+    @property
+    def step_fault(self) -> str | None:
+        """The engine-wide fault of the last step, if it had one (``isolation.FaultJudge``)."""
+        return self._faults.step_fault
 
     def _output(self, request: Request, error: str | None = None) -> RequestOutput:
         detok = self._detok[request.request_id]

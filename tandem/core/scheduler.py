@@ -171,17 +171,6 @@ class Scheduler:
         self._in_flight = {}
         return touched
 
-    def fail_step(self, output: SchedulerOutput) -> list[Request]:
-        """The step raised: finish its requests with an error; nothing else is touched."""
-        failed = []
-        for chunk in output.chunks:
-            request = self._in_flight[chunk.request_id]
-            if not request.is_finished:
-                self.finish(request, FinishReason.ERROR)
-                failed.append(request)
-        self._in_flight = {}
-        return failed
-
     def _token_stop(self, request: Request, token_id: int) -> FinishReason | None:
         params = request.params
         if token_id in params.stop_token_ids:
