@@ -41,7 +41,7 @@ def exported() -> set[str]:
     """Sample names /metrics exposes once every labelled series has been touched."""
     cost = ModelCost(layer_params=1, head_params=1, attn_flops_per_pair=1, kv_bytes_per_token=1, weight_bytes=4)
     m = ServerMetrics("m", cost, Peaks(1.0, 1.0, True))
-    engine = SimpleNamespace(num_running=1, num_waiting=1)
+    engine = SimpleNamespace(num_running=1, num_waiting=1, scheduler=SimpleNamespace(fairness=None))
     for i, kind in enumerate(("prefill", "decode", "mixed")):
         m.on_step(StepStats(step_id=i, start=float(i), duration=0.01, forward_seconds=0.01, kind=kind,
                             num_prefill_tokens=4, num_decode_tokens=1, num_seqs=2, kv_blocks_used=1,

@@ -118,7 +118,7 @@ def test_coefficients_and_errors_reach_metrics_and_trace(tmp_path):
     cost = ModelCost(layer_params=1, head_params=1, attn_flops_per_pair=1, kv_bytes_per_token=1, weight_bytes=4)
     metrics = ServerMetrics("m", cost, Peaks(1.0, 1.0, True))
     trace = TraceRecorder(tmp_path / "t.json")
-    view = SimpleNamespace(num_running=0, num_waiting=0, step_model=engine.step_model)
+    view = SimpleNamespace(num_running=0, num_waiting=0, step_model=engine.step_model, scheduler=engine.scheduler)
     for s in engine.step_stats:
         metrics.on_step(s, view)
         trace.on_step(s)
