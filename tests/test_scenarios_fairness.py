@@ -4,9 +4,7 @@ over ITL targets. All on the simulator: no model."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from dataclasses import dataclass
 
 import pytest
 
@@ -27,8 +25,6 @@ from tandem.config import EngineConfig, SchedulerConfig
 from tandem.sim import SimTokenizer, StepCost, sim_engine
 
 COST = StepCost(base=0.010, per_token=0.001, per_seq=0.0)
-NEW_KEYS = {"target_itl_ms", "target_ttft_ms", "fairness"}
-HAS_NEW_KEYS = NEW_KEYS <= {f.name for f in dataclasses.fields(SchedulerConfig)}
 
 
 class SimEvaluator:
@@ -72,14 +68,14 @@ def test_the_user_is_sent_and_reported_per_user():
 
 
 class _TenantEngine:
-    """A sim engine whose add_request takes a user, recording who sent what."""
+    """A sim engine that records who sent what."""
 
     def __init__(self, engine):
         self._engine, self.users = engine, []
 
     def add_request(self, prompt, params=None, user: str = ""):
         self.users.append(user)
-        return self._engine.add_request(prompt, params)
+        return self._engine.add_request(prompt, params, user=user)
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -91,8 +87,6 @@ def test_the_in_process_engine_gets_the_user():
     data = run_inprocess(engine, reqs, [0.0] * 4, ArrivalSpec(), True, 60)
     assert engine.users == ["u0", "u1", "u0", "u1"]
     assert [r.user for r in data.results] == ["u0", "u1", "u0", "u1"] and all(r.success for r in data.results)
-    plain = sim_engine(SchedulerConfig(), COST)  # an engine without tenants still runs the load
-    assert all(r.success for r in run_inprocess(plain, reqs, [0.0] * 4, ArrivalSpec(), True, 60).results)
 
 
 # --- scenarios ----------------------------------------------------------------------------------
@@ -111,7 +105,7 @@ def test_power_user_scenario_is_deterministic_and_mostly_one_user():
     # bursts: the power user's requests share a few send times; light ones are spread out
     assert len({offsets[i] for i in power}) == 2 and len({offsets[i] for i in light}) == len(light)
     assert SCENARIOS["power-user"].max_num_seqs < 32  # so that requests queue and the order matters
-    assert {Candidate.parse(c, _FutureScheduler).overrides["fairness"] for c in SCENARIOS["power-user"].configs} \
+    assert {Candidate.parse(c).overrides["fairness"] for c in SCENARIOS["power-user"].configs} \
         == {"fcfs", "vtc"}
 
 
@@ -130,12 +124,11 @@ def test_itl_target_is_two_loads_with_a_target_and_fixed_budgets():
     assert set(sc.loads) == {"sharegpt-bursty", "long-prompts"} and all(SCENARIOS[x].build for x in sc.loads)
     with pytest.raises(ValueError, match="scenario: 'itl-target' is several loads"):
         scenario_requests("itl-target", None, SimTokenizer(), 0)
-    parsed = [Candidate.parse(c, _FutureScheduler).overrides for c in sc.configs]
+    parsed = [Candidate.parse(c).overrides for c in sc.configs]
     assert sum(1 for o in parsed if o.get("target_itl_ms")) == 1
     assert len({o["max_num_batched_tokens"] for o in parsed if not o.get("target_itl_ms")}) >= 3
 
 
-@pytest.mark.skipif(not HAS_NEW_KEYS, reason="target_itl_ms / target_ttft_ms / fairness not in SchedulerConfig yet")
 def test_every_scenario_configuration_parses_against_the_real_config():
     for sc in SCENARIOS.values():
         for c in sc.configs:
@@ -146,33 +139,19 @@ def test_every_scenario_configuration_parses_against_the_real_config():
 
 # --- configuration keys ---------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class _FutureScheduler(SchedulerConfig):
-    """SchedulerConfig with the fields the target and fairness work add, typed as they will be."""
-
-    fairness: str = "fcfs"
-    target_itl_ms: float | None = None
-    target_ttft_ms: float | None = None
-
-    def validate(self) -> None:
-        super().validate()
-        if self.fairness not in ("fcfs", "vtc"):
-            raise ValueError(f"fairness: must be one of fcfs, vtc, got {self.fairness!r}")
-
-
 def test_keys_are_read_as_their_field_type():
     assert parse_overrides("max_num_batched_tokens=128,policy=chunked") == {"max_num_batched_tokens": 128,
                                                                           "policy": "chunked"}
-    o = parse_overrides("target_itl_ms=150.5,fairness=vtc,target_ttft_ms=none", _FutureScheduler)
+    o = parse_overrides("target_itl_ms=150.5,fairness=vtc,target_ttft_ms=none")
     assert o == {"target_itl_ms": 150.5, "fairness": "vtc", "target_ttft_ms": None}
-    assert isinstance(parse_value("target_itl_ms", "150", _FutureScheduler), float)
+    assert isinstance(parse_value("target_itl_ms", "150"), float)
     for bad, field in (("max_num_batched_tokens=12.5", "max_num_batched_tokens"),
                        ("target_itl_ms=fast", "target_itl_ms"), ("target_itl_ms=nan", "target_itl_ms"),
                        ("fairness=lottery", "fairness")):
         with pytest.raises(ValueError, match=field):
-            parse_overrides(bad, _FutureScheduler)
+            parse_overrides(bad)
     c = Candidate.parse("policy=chunked,max_num_batched_tokens=2048,target_itl_ms=150,fairness=vtc",
-                        _FutureScheduler)
+                        )
     assert c.name == "chunked itl<=150ms chunk=2048 vtc"
 
 
@@ -255,7 +234,6 @@ def test_tune_tries_targets_from_the_slo_and_recommends_one(tmp_path):
     assert json.loads((tmp_path / "tune.json").read_text())["recommends"] == "target"
 
 
-@pytest.mark.skipif(not HAS_NEW_KEYS, reason="target_itl_ms not in SchedulerConfig yet")
 def test_tune_target_search_on_the_simulator_meets_the_itl_slo():
     reqs = [BenchRequest(i, "chat", " ".join(f"c{i}w{j}" for j in range(32)), 32, 64) for i in range(8)]
     reqs += [BenchRequest(8 + i, "doc", " ".join(f"d{i}w{j}" for j in range(2000)), 2000, 8) for i in range(4)]

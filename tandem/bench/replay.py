@@ -8,7 +8,6 @@ free of HTTP, reading each request's timing from the engine.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import math
 import re
 import time
@@ -157,16 +156,6 @@ async def run_openai(
     return RunData(results, duration, samples, notes)
 
 
-def _tenant_arg(engine) -> Callable[[BenchRequest], dict]:
-    """How a request's user reaches the engine: as ``add_request(..., user=)`` where the engine
-    takes one; an engine without tenants serves every request as one anonymous user."""
-    try:
-        takes_user = "user" in inspect.signature(engine.add_request).parameters
-    except (TypeError, ValueError):
-        takes_user = False
-    return (lambda req: {"user": req.user} if req.user else {}) if takes_user else (lambda req: {})
-
-
 def run_inprocess(
     engine,
     requests: list[BenchRequest],
@@ -180,7 +169,6 @@ def run_inprocess(
     from tandem.core.sampling_params import SamplingParams
 
     clock0 = engine.clock()
-    tenant = _tenant_arg(engine)
 
     def clock() -> float:
         return engine.clock() - clock0
@@ -199,7 +187,7 @@ def run_inprocess(
             params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=ignore_eos)
             res = RequestResult.of(req, clock())
             try:
-                rid = engine.add_request(req.prompt, params, **tenant(req))
+                rid = engine.add_request(req.prompt, params, user=req.user)
             except ValueError as exc:
                 res.error = f"rejected: {exc}"
                 results[i] = res

@@ -8,7 +8,7 @@ from rich.console import Console
 
 from tandem.bench.config import TuneConfig
 from tandem.bench.config_keys import parse_overrides
-from tandem.bench.evaluate import TUNABLE, Candidate, InProcessEvaluator, evaluate
+from tandem.bench.evaluate import Candidate, InProcessEvaluator, evaluate
 from tandem.bench.scenarios import scenario_requests
 from tandem.bench.summary import parse_goodput
 from tandem.bench.tune import SLO, tune
@@ -33,9 +33,6 @@ def run_tune(cfg: TuneConfig, base: EngineConfig, evaluator=None) -> dict:
     fixed = parse_overrides(cfg.fixed)
     console = Console(stderr=True)
     targets = cfg.targets()
-    if targets and "target_itl_ms" not in TUNABLE:
-        console.print("this engine has no ITL target (target_itl_ms): searching budgets only")
-        targets = []
     evaluator = evaluator or InProcessEvaluator(base)
     requests, offsets, title, description, _ = scenario_requests(
         None if cfg.workload else cfg.scenario, cfg.workload, PlainTokenizer(evaluator.tokenizer), cfg.seed)
