@@ -74,7 +74,8 @@ def main() -> None:
     load_s = time.perf_counter() - started
     spec, dtype = llm.loaded.spec, llm.loaded.dtype
     dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float32"
-    peaks = measure_peaks("cpu", dtype_name, seconds=2.0)
+    # with w8a8 weights the compute floor is the integer matmul's, not float32's
+    peaks = measure_peaks("cpu", dtype_name, seconds=2.0, w8a8_kernels=llm.loaded.w8a8_kernels)
     result: dict = {"command": "benchmarks/roofline.py " + " ".join(sys.argv[1:]), "dtype": dtype_name,
                     "quantization": llm.loaded.quantization, "threads": torch.get_num_threads(),
                     "start_s": load_s, "paths": llm.loaded.paths(),
@@ -83,6 +84,7 @@ def main() -> None:
     print(f"engine start (model from the converted cache): {load_s:.1f} s", flush=True)
     result["peaks"] = {
         "matmul_gflops_1024": peaks.flops_per_s / 1e9,
+        "matmul_kind": "w8a8 (int8 products)" if llm.loaded.w8a8_kernels is not None else dtype_name,
         "bandwidth_gb_s": peaks.bytes_per_s / 1e9,
         "output_layer_gflops_by_rows": {rows: matmul_flops(rows, spec.hidden_size, spec.vocab_size, dtype) / 1e9
                                         for rows in (1, 16, 64)},

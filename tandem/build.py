@@ -100,6 +100,12 @@ class LoadedModel:
     auto: AutoChoice | None = None
     """How ``--quantization auto`` chose, when it did."""
 
+    @property
+    def w8a8_kernels(self):
+        """The native kernels the w8a8 matmuls run on, when that is the weight format (for the
+        compute peak utilization is measured against)."""
+        return self.model.ops.int8_kernels if self.quantization == "w8a8" else None
+
     def paths(self) -> dict[str, object]:
         """Which paths run: the CPU and its features, each op's implementation and why, the
         weight format and how it was chosen (start-up log, /config, /metrics, result files)."""

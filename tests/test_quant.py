@@ -168,3 +168,20 @@ def test_native_build_is_cached_and_reports_compiler_errors(tmp_path):
     with pytest.raises(RuntimeError, match="compiling k.c failed"):
         native.build(src, tmp_path / "out")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [first.name]  # nothing half-written left
+
+
+def test_w8a8_utilization_peak_times_the_integer_matmul(kernels):
+    """With w8a8 weights the compute peak is the integer matmul's: measure_peaks times the
+    kernel's w8a8 product (on int8 weights it quantized itself), not a float32 torch.mm."""
+    from tandem.utilization import measure_peaks
+
+    calls = []
+
+    class Recording:
+        def gemm_w8a8(self, x, q, s):
+            calls.append((x.shape, q.dtype, s.shape))
+            return kernels.gemm_w8a8(x, q, s)
+
+    peaks = measure_peaks("cpu", "float32", seconds=0.05, w8a8_kernels=Recording())
+    assert calls and calls[0] == (torch.Size([1024, 1024]), torch.int8, torch.Size([1024]))
+    assert peaks.flops_per_s > 0 and peaks.bytes_per_s > 0

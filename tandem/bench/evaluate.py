@@ -83,7 +83,7 @@ class InProcessEvaluator:
         self.prompt_tokenizer = prompt_tokenizer
         self.cost = self.loaded.cost()
         dtype = "bfloat16" if str(self.loaded.dtype) == "torch.bfloat16" else "float32"
-        self.peaks = peaks or measure_peaks(self.loaded.device.type, dtype)
+        self.peaks = peaks or measure_peaks(self.loaded.device.type, dtype, w8a8_kernels=self.loaded.w8a8_kernels)
 
     @property
     def tokenizer(self):
