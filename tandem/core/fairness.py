@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 from typing import Callable, Protocol
 
+from tandem.core.registry import make
 from tandem.core.request import Request
 
 PRUNE_AT = 4096
@@ -167,7 +168,4 @@ FAIRNESS_REGISTRY: dict[str, Callable[[FairnessSettings], Fairness]] = {
 
 
 def make_fairness(name: str, settings: FairnessSettings) -> Fairness:
-    try:
-        return FAIRNESS_REGISTRY[name](settings)
-    except KeyError:
-        raise ValueError(f"fairness: unknown ordering {name!r}") from None
+    return make(FAIRNESS_REGISTRY, "fairness", name, settings)

@@ -20,6 +20,7 @@ from typing import Callable, Protocol
 
 from tandem.core.budget import StepBudget
 from tandem.core.queues import RequestQueues
+from tandem.core.registry import make
 from tandem.core.request import Request, RequestStatus
 from tandem.core.step_time import StepCost, StepTimeModel
 from tandem.core.target_budget import PrefillShare
@@ -146,7 +147,4 @@ POLICY_REGISTRY: dict[str, Callable[[PolicySettings], Policy]] = {
 
 
 def make_policy(name: str, settings: PolicySettings) -> Policy:
-    try:
-        return POLICY_REGISTRY[name](settings)
-    except KeyError:
-        raise ValueError(f"policy: unknown policy {name!r}") from None
+    return make(POLICY_REGISTRY, "policy", name, settings)
