@@ -127,3 +127,16 @@ def test_coefficients_and_errors_reach_metrics_and_trace(tmp_path):
     assert f'tandem:step_time_prediction_error_count{{model_name="m"}} {len(engine.step_stats)}.0' in text
     steps = [e for e in trace.events if e.get("ph") == "X" and e["pid"] == 1]
     assert steps and all(e["args"]["predicted_ms"] == pytest.approx(e["dur"] / 1e3, abs=0.01) for e in steps)
+
+
+def test_coefficients_are_in_metrics_before_the_first_step(tmp_path):
+    """A scrape right after start-up shows the start-up estimate, not an empty family."""
+    from server_helpers import tiny_state
+
+    state = tiny_state(tmp_path)
+    text = state.metrics.render(0, 0, 0.0).decode()
+    prior = dict(zip(("base", "per_token", "per_seq", "per_context", "per_pair"),
+                     state.engine.step_model.coefficients.vector()))
+    assert prior["base"] > 0
+    for term in prior:
+        assert f'tandem:step_time_model_coefficient{{model_name="{state.model_name}",term="{term}"}}' in text

@@ -105,6 +105,11 @@ class ServerMetrics:
             "ops": ",".join(f"{op}={impl}" for op, impl in paths["ops"].items()),
         })
 
+    def set_step_model(self, model) -> None:
+        """The step-time model's coefficients (at start-up the prior, then after every step)."""
+        for term, value in zip(TERMS, model.coefficients.vector()):
+            self.step_coefficient.labels(self._model, term).set(value)
+
     # --- observers (engine loop thread) -------------------------------------------------------------
     def on_step(self, s: StepStats, engine: Engine) -> None:
         lm = self._model
@@ -131,8 +136,7 @@ class ServerMetrics:
             self.step_error.labels(lm).observe(abs(s.predicted_seconds - s.duration) / s.duration)
         model = getattr(engine, "step_model", None)
         if model is not None:
-            for term, value in zip(TERMS, model.coefficients.vector()):
-                self.step_coefficient.labels(lm, term).set(value)
+            self.set_step_model(model)
         flops, nbytes = self.cost.step(s.spans(), s.num_sampled)
         with self._lock:
             end = s.start + s.duration

@@ -62,6 +62,7 @@ def build_state(engine_config: EngineConfig, server_config: ServerConfig) -> Ser
     metrics = ServerMetrics(name, cost, peaks, top_users=server_config.metrics_top_users)
     paths = loaded.paths()
     metrics.set_paths(paths)
+    metrics.set_step_model(engine.step_model)  # the start-up estimate, before any step ran
     tracer = TraceRecorder(server_config.trace) if server_config.trace else None
 
     def on_step(stats, eng):
