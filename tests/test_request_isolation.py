@@ -216,6 +216,12 @@ def test_collateral_over_http(model_dir):
                 assert len(failed) == 1 and failed[0].num_seqs == 7
                 health = (await c.get("/health")).json()
                 assert health["status"] == "ok", health
+                # the failed step's good requests still count: 6 good requests, 6 tokens each, twice,
+                # and the holding request's one token
+                text = (await c.get("/metrics")).text
+                generated = next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                                 if line.startswith("tandem:generation_tokens_total{"))
+                assert generated == 2 * 6 * 6 + 1
         assert state.engine.allocator.all_free()
 
     asyncio.run(scenario())

@@ -251,6 +251,7 @@ class Engine:
             num_waiting=self.num_waiting,
             num_running=self.num_running,
             error=error,
+            num_generated=len(result.sampled),
             chunks=tuple(
                 ChunkStat(c.request_id, c.start, c.num_tokens, c.is_decode, c.samples, c.num_recomputed_tokens)
                 for c in out.chunks

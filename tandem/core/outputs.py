@@ -40,6 +40,9 @@ class StepStats:
     chunks: tuple[ChunkStat, ...] = ()
     num_recomputed_tokens: int = 0
     """Of ``num_prefill_tokens``, those recomputed after a preemption rather than prefilled first-time."""
+    num_generated: int | None = None
+    """Tokens the step produced (``None``: every sampled chunk's, the step had no failure); a
+    step that failed for some requests produced only the others'."""
     predicted_seconds: float | None = None
     """The step-time model's prediction of ``duration``, made before the step ran."""
 

@@ -118,8 +118,8 @@ class ServerMetrics:
             self.step_tokens.labels(lm, "prefill").observe(s.num_prefill_tokens)
         if s.num_decode_tokens:
             self.step_tokens.labels(lm, "decode").observe(s.num_decode_tokens)
-        if s.error is None:
-            self.generation_tokens.labels(lm).inc(s.num_sampled)
+        # a step where some requests failed still generated the others' tokens
+        self.generation_tokens.labels(lm).inc(s.num_sampled if s.num_generated is None else s.num_generated)
         if s.num_preempted:
             self.preemptions.labels(lm).inc(s.num_preempted)
         if s.num_recomputed_tokens and s.error is None:
