@@ -327,6 +327,9 @@ class ServerConfig:
     header_timeout: float = field(default=10.0, metadata=_help(
         "seconds a connection has to send a request's complete headers, counted from its start or the request's "
         "first byte; then it is closed (with 408 if part of a request came)"))
+    body_timeout: float = field(default=30.0, metadata=_help(
+        "seconds a request's body has to arrive in full once its headers have; then 408 and the connection "
+        "is closed (a client trickling its body cannot hold a connection and a handler forever)"))
     keep_alive_timeout: float = field(default=5.0, metadata=_help("seconds an idle keep-alive connection stays open"))
     max_connections: int = field(default=1000, metadata=_help(
         "open connections beyond this get 503 (with Connection: close) for their requests"))
@@ -354,8 +357,8 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or value <= 0):
                 raise ValueError(f"{name}: must be > 0, got {value!r}")
-        for name in ("header_timeout", "keep_alive_timeout", "stream_write_timeout", "shutdown_timeout",
-                     "admission_timeout"):
+        for name in ("header_timeout", "body_timeout", "keep_alive_timeout", "stream_write_timeout",
+                     "shutdown_timeout", "admission_timeout"):
             value, least = getattr(self, name), 0 if name in ("shutdown_timeout", "admission_timeout") else 1e-9
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= least:
                 raise ValueError(f"{name}: must be {'>= 0' if least == 0 else '> 0'}, got {value!r}")

@@ -304,3 +304,26 @@ def test_bench_exits_nonzero_when_every_request_fails(url, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "every one of the 3 requests failed" in err and "no-such-model" in err
     assert (tmp_path / "run" / "result.json").is_file()
+
+
+def test_a_trickling_body_gets_408_and_its_connection_closed(tmp_path):
+    import socket
+
+    from server_helpers import ThreadedServer, tiny_state
+
+    s = ThreadedServer(tiny_state(tmp_path, body_timeout=0.5))
+    try:
+        sock = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\": ")  # and the other 89 bytes never
+        started = time.monotonic()
+        answer = b""
+        while chunk := sock.recv(65536):  # ends when the server closes the connection
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in answer, answer[:300]
+        assert b"connection: close" in answer.lower()
+        assert 0.4 < time.monotonic() - started < 5
+        sock.close()
+        assert httpx.get(s.url + "/health", timeout=10).json()["status"] == "ok"
+    finally:
+        s.stop()

@@ -19,6 +19,8 @@ body costs one scan for the depth and the parse itself.
 
 from __future__ import annotations
 
+import asyncio
+
 import json
 import re
 from typing import Any
@@ -54,19 +56,29 @@ def _long(text: str) -> _Refused:
     return _Refused(f"a number literal of {len(text)} characters exceeds the limit of {MAX_NUMBER_CHARS}")
 
 
-async def read_json(request: Request, limit: int) -> Any:
+async def read_json(request: Request, limit: int, timeout: float | None = None) -> Any:
     """The body of ``request`` parsed and checked; raises APIError (413 beyond ``limit`` bytes,
-    else 400) for anything it refuses."""
+    408 if it has not arrived in full within ``timeout`` seconds, else 400) for anything it refuses."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    return parse(b"".join(chunks))
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        raw = await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        # the rest of the body may still come: the connection cannot carry another request
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="request_timeout",
+                       headers={"Connection": "close"}) from None
+    return parse(raw)
 
 
 def parse(raw: bytes) -> Any:

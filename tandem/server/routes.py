@@ -113,7 +113,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
     async def tokenize(request: Request):
-        req = validate(TokenizeRequest, await read_json(request, state.config.max_request_bytes))
+        req = validate(TokenizeRequest, await read_json(request, state.config.max_request_bytes, state.config.body_timeout))
         _check_model(state, req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("prompt: give exactly one of prompt or messages", "prompt")
@@ -127,7 +127,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
     async def detokenize(request: Request):
-        req = validate(DetokenizeRequest, await read_json(request, state.config.max_request_bytes))
+        req = validate(DetokenizeRequest, await read_json(request, state.config.max_request_bytes, state.config.body_timeout))
         _check_model(state, req.model)
         vocab = state.tokenizer.vocab_size
         for i, t in enumerate(req.tokens):
@@ -139,7 +139,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request):
         arrival = state.engine.clock()
-        req = validate(CompletionRequest, await read_json(request, state.config.max_request_bytes))
+        req = validate(CompletionRequest, await read_json(request, state.config.max_request_bytes, state.config.body_timeout))
         _check_model(state, req.model)
         params = req.sampling_params()  # SamplingParams' defaults are OpenAI's
         prompts = req.prompts()
@@ -152,7 +152,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         arrival = state.engine.clock()
-        req = validate(ChatCompletionRequest, await read_json(request, state.config.max_request_bytes))
+        req = validate(ChatCompletionRequest, await read_json(request, state.config.max_request_bytes, state.config.body_timeout))
         _check_model(state, req.model)
         # chat's default max_tokens: the room left in the context (see core/sampling_params.py)
         params = req.sampling_params(state.engine.max_model_len)
