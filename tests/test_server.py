@@ -334,7 +334,8 @@ def test_trace_file(model_dir, tmp_path):
                "--peak-memory-bandwidth", "2e10")
     try:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
-        stream = client.completions.create(model=MODEL, prompt="w4 w5", max_tokens=60, stream=True,
+        # long enough to still be decoding when the long prompt gets in, however fast this machine is
+        stream = client.completions.create(model=MODEL, prompt="w4 w5", max_tokens=400, stream=True,
                                            extra_body={"ignore_eos": True})
         next(iter(stream))  # the short request is decoding; now a long prompt arrives
         client.completions.create(model=MODEL, prompt="w3 " * 40, max_tokens=4, extra_body={"ignore_eos": True})
