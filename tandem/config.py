@@ -93,6 +93,14 @@ class SchedulerConfig:
             "cannot keeps the ITL share); a request's own target_ttft_ms replaces it; None or 0 turns it off"
         ),
     )
+    itl_target_factor: float = field(
+        default=0.0,
+        metadata=_help(
+            "chunked, when no --target-itl-ms applies: while streams decode, the ITL target is this many "
+            "times the predicted time of a step of the running decodes alone (at least --min-target-itl-ms), "
+            "so the target scales with the machine and the batch; 0 turns it off"
+        ),
+    )
     min_target_itl_ms: float = field(
         default=20.0, metadata=_help("the tightest target_itl_ms a request may ask for (400 below)")
     )
@@ -128,6 +136,9 @@ class SchedulerConfig:
             value = getattr(self, name)
             if value is not None and not _finite(value, least=0.0):
                 raise ValueError(f"{name}: must be a number of milliseconds >= 0 (0 or None: off), got {value!r}")
+        if not _finite(self.itl_target_factor, least=0.0) or 0 < self.itl_target_factor < 1:
+            raise ValueError(f"itl_target_factor: must be 0 (off) or >= 1 (a step may not be shorter than its "
+                             f"decodes alone), got {self.itl_target_factor!r}")
         for name in ("min_target_itl_ms", "min_target_ttft_ms"):
             if not _finite(getattr(self, name), least=0.0):
                 raise ValueError(f"{name}: must be a number of milliseconds >= 0, got {getattr(self, name)!r}")

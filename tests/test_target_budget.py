@@ -136,6 +136,29 @@ def test_itl_share_worked_example():
     assert share.size(other, 512) == 0
 
 
+def test_factor_target_is_a_multiple_of_the_decodes_alone():
+    # no explicit target: 2x the 12.8 ms the 4 decodes take alone = 25.6 ms, leaving 12.8 ms of
+    # prefill: 0.2 + 0.401 n + 0.000002 n(n+1)/2 <= 12.8 ms -> n = 31
+    planned = []
+    for i in range(4):
+        r = Request(f"d{i}", list(range(1, 101)), SamplingParams(), 0.0, 10_000)
+        r.num_computed_tokens = 100
+        planned.append(Planned(r, 100, 1))
+    factor = SchedulerConfig(itl_target_factor=2.0, min_target_itl_ms=5.0)
+    share = PrefillShare(StepTimeModel(COST), planned, factor, BLOCK, 0.0)
+    assert share.target == pytest.approx(2 * 0.0128, rel=1e-3)
+    prompt = Request("p", list(range(1, 1001)), SamplingParams(), 0.0, 10_000)
+    assert share.size(prompt, 512) == 31
+    # the floor: a target never tighter than min_target_itl_ms
+    floored = PrefillShare(StepTimeModel(COST), planned, SchedulerConfig(itl_target_factor=1.0), BLOCK, 0.0)
+    assert floored.target == pytest.approx(0.020)
+    # an explicit target wins over the factor; with neither, nothing limits the share
+    explicit = PrefillShare(StepTimeModel(COST), planned,
+                            SchedulerConfig(itl_target_factor=2.0, target_itl_ms=15.0), BLOCK, 0.0)
+    assert explicit.target == pytest.approx(0.015)
+    assert not PrefillShare(StepTimeModel(COST), planned, SchedulerConfig(), BLOCK, 0.0).limited
+
+
 def test_one_block_minimum_when_decodes_alone_exceed_the_target():
     share = _share(40)  # 40 decodes: 38 ms of decodes under a 20 ms target
     prompt = Request("p", list(range(1, 1001)), SamplingParams(), 0.0, 10_000)
@@ -180,6 +203,7 @@ def test_ttft_target_improves_long_prompts_in_the_sim():
 @pytest.mark.parametrize("field,value", [
     ("target_itl_ms", -1.0), ("target_itl_ms", float("inf")), ("target_ttft_ms", "100"),
     ("min_target_itl_ms", -5.0), ("step_model_window", 0), ("step_model_refit_every", 0),
+    ("itl_target_factor", 0.5), ("itl_target_factor", -1.0), ("itl_target_factor", float("nan")),
 ])
 def test_config_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field}:"):

@@ -33,6 +33,8 @@ class PolicySettings(Protocol):
     max_long_partial_prefills: int
     target_itl_ms: float | None
     target_ttft_ms: float | None
+    itl_target_factor: float
+    min_target_itl_ms: float
 
 
 class Policy(Protocol):

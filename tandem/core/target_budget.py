@@ -3,7 +3,8 @@
 The rule, for one step, after the running decodes are planned:
 
 * **ITL.** While any decode runs, the step's target T is the tightest ``target_itl_ms`` among
-  the decoding requests (a request's own, else the engine's). Prefill chunks are granted, in
+  the decoding requests (a request's own, else the engine's; with neither, ``itl_target_factor``
+  times the predicted step of the decodes alone, at least ``min_target_itl_ms``). Prefill chunks are granted, in
   rank order, the most tokens that keep the step-time model's prediction of the whole step
   within T. Whatever the prediction says, the step gets one KV block (``block_size`` tokens) of
   prefill, so prompts never starve. With no decode running, or no target, the share is the
@@ -35,6 +36,8 @@ class TargetSettings(Protocol):
 
     target_itl_ms: float | None
     target_ttft_ms: float | None
+    itl_target_factor: float
+    min_target_itl_ms: float
 
 
 class TargetLimits(Protocol):
@@ -72,6 +75,11 @@ class PrefillShare:
         self.decode_x = features((p.start, p.num_tokens) for p in planned)
         self.x = self.decode_x  # the step as planned so far
         self.target = itl_target([p.request for p in planned], settings.target_itl_ms) if planned else None
+        if self.target is None and planned and settings.itl_target_factor:
+            # no explicit target: a multiple of what the decodes alone take, so it scales with the
+            # CPU and the batch instead of being one number for every machine
+            self.target = max(settings.itl_target_factor * model.predict(self.decode_x),
+                              settings.min_target_itl_ms / 1000.0)
         self.min_tokens = block_size
         self.granted = 0
 
