@@ -17,15 +17,15 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 
-from tandem.bench.launch import free_port
+from tandem.bench.launch import ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DATASET = ROOT.parent / "shared" / "datasets" / "sharegpt_v3_first_turn_1000.json"
@@ -115,18 +115,9 @@ def main() -> None:
            "--max-num-seqs", str(max(args.num_prompts, 1))]
     if args.model:
         cmd += ["--model", args.model]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
+    server = ServerProcess(cmd, url)
     try:
-        deadline = time.time() + 600
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                if server.poll() is not None or time.time() > deadline:
-                    raise SystemExit("the server did not start")
-                time.sleep(0.5)
         asyncio.run(fire(url, prompts[:2], 4))  # warm-up
         rows = []
         for r in range(args.rounds):
@@ -154,8 +145,7 @@ def main() -> None:
                   f"({row['in_process_step_ms_per_token']:.1f} ms of steps per token), server "
                   f"{row['server_tok_s']:.1f} tok/s ({row['server_step_ms_per_token']:.1f} ms)", flush=True)
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        server.stop(timeout=30, sig=signal.SIGTERM)
     ratio = statistics.median(row["server_tok_s"] / row["in_process_tok_s"] for row in rows)
     step_ratio = statistics.median(row["server_step_ms_per_token"] / row["in_process_step_ms_per_token"]
                                    for row in rows)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import json
 import math
 import os
@@ -15,7 +16,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from tandem.bench.launch import free_port
+from tandem.bench.launch import ServerProcess, free_port
 from tandem.bench.progress import RunProgress
 from tandem.bench.replay import RunData, run_openai
 from tandem.bench.summary import summarize_run
@@ -80,27 +80,11 @@ def run_level(label: str, level: Level, runner) -> dict:
 @contextlib.contextmanager
 def served(cmd: list[str], url: str, log_path: Path):
     """Start a server, wait for /health to answer 200, stop it afterwards."""
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    server = ServerProcess(cmd, url, startup_timeout=STARTUP_TIMEOUT_S, log_path=log_path)
     try:
-        deadline = time.time() + STARTUP_TIMEOUT_S
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            if proc.poll() is not None or time.time() > deadline:
-                log_lines = log_path.read_text(errors="replace").strip().splitlines() or ["(empty log)"]
-                raise RuntimeError(f"{Path(cmd[0]).name} did not become healthy (exit {proc.poll()}): "
-                                   f"{log_lines[-1]}\nlog tail:\n" + "\n".join(log_lines[-30:]))
-            time.sleep(1)
-        yield proc
+        yield server.proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        server.stop(timeout=30, sig=signal.SIGTERM)
 
 
 def server_info(url: str, paths: tuple[str, ...]) -> dict:

@@ -8,9 +8,12 @@ import socket
 import subprocess
 import threading
 import time
+from pathlib import Path
 from typing import Mapping, Sequence
 
 import httpx
+
+LOG_TAIL_LINES = 30
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -20,18 +23,31 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class ServerProcess:
+    """``log_path``: write the server's output there (a chatty server, a long run) instead of
+    keeping it in ``log``."""
+
     def __init__(self, cmd: Sequence[str], url: str, env: Mapping[str, str] | None = None,
-                 startup_timeout: float = 600.0, health_path: str = "/health") -> None:
+                 startup_timeout: float = 600.0, health_path: str = "/health", log_path: Path | None = None) -> None:
         self.cmd = list(cmd)
         self.url = url
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=None if env is None else dict(env))
-        self.log: list[str] = []
-        threading.Thread(target=self._drain, daemon=True).start()
+        self.log_path = log_path
+        self._log: list[str] = []
+        if log_path is None:
+            out = subprocess.PIPE
+        else:
+            out = open(log_path, "wb")
+        try:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, text=log_path is None,
+                                         env=None if env is None else dict(env))
+        finally:
+            if log_path is not None:
+                out.close()
+        if log_path is None:
+            threading.Thread(target=self._drain, daemon=True).start()
         deadline = time.time() + startup_timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + "".join(self.log))
+                raise RuntimeError(f"{Path(self.cmd[0]).name} exited ({self.proc.returncode}):\n{self._tail()}")
             try:
                 if httpx.get(self.url + health_path, timeout=1).status_code == 200:
                     return
@@ -39,11 +55,23 @@ class ServerProcess:
                 pass
             time.sleep(0.2)
         self.proc.kill()
-        raise RuntimeError(f"server did not start within {startup_timeout:g} s:\n" + "".join(self.log))
+        self.proc.wait()
+        raise RuntimeError(f"{Path(self.cmd[0]).name} did not become healthy within {startup_timeout:g} s:\n"
+                           f"{self._tail()}")
+
+    @property
+    def log(self) -> list[str]:
+        """The output so far, as lines."""
+        if self.log_path is None:
+            return self._log
+        return self.log_path.read_text(errors="replace").splitlines(keepends=True)
+
+    def _tail(self) -> str:
+        return "".join(self.log[-LOG_TAIL_LINES:]) or "(empty log)"
 
     def _drain(self) -> None:
         for line in self.proc.stdout:
-            self.log.append(line)
+            self._log.append(line)
 
     def stop(self, timeout: float = 60.0, sig: int = signal.SIGINT) -> tuple[int, float]:
         """(exit status, seconds it took); -9 if it had to be killed after ``timeout``."""
