@@ -12,12 +12,10 @@ from typing import Any
 from tandem.bench.replay import RunData, run_inprocess
 from tandem.bench.summary import summarize_run
 from tandem.bench.prompts import BenchRequest
-from tandem.bench.config_keys import keys, parse_overrides
+from tandem.bench.config_keys import parse_overrides
 from tandem.bench.workload import ArrivalSpec
 from tandem.config import EngineConfig, SchedulerConfig
 
-# Knobs a configuration may set: every SchedulerConfig field.
-TUNABLE = keys()
 
 
 @dataclass

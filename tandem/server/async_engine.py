@@ -26,7 +26,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import Callable
 
 from tandem.core.engine import Engine
 from tandem.core.outputs import RequestOutput
@@ -35,11 +35,15 @@ from tandem.server.admission import AdmissionQueue, QueueFull
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "QueueFull", "ShuttingDown"]
+__all__ = ["AsyncEngine", "NeverFits", "QueueFull", "ShuttingDown"]
 
 
 class ShuttingDown(Exception):
     """The server is shutting down: the request is refused, or ended before it finished."""
+
+
+class NeverFits(ValueError):
+    """More requests at once than the waiting queue ever holds: retrying cannot help."""
 
 
 @dataclass
@@ -103,23 +107,13 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         return self.engine.num_waiting + len(self._inbox)
 
-    def submit(self, request: Request) -> asyncio.Queue:
-        """Queue a validated request now; raises QueueFull when there is no room or others wait
-        for it in the admission queue (they came first)."""
-        if self._closing is not None:
-            raise self._closing
-        if len(self.admission) or self.num_waiting() >= self.max_waiting:
-            raise QueueFull(f"{self.max_waiting} requests are already waiting", self.admission.retry_after(1))
-        return self._enqueue([request])[0]
-
     async def submit_all(self, requests: list[Request]) -> list[asyncio.Queue]:
         """Queue all of the requests or none, first come first served (see admission.py); raises
-        QueueFull (with its Retry-After) or ShuttingDown."""
+        QueueFull (with its Retry-After), NeverFits or ShuttingDown."""
         if self._closing is not None:
             raise self._closing
         if len(requests) > self.max_waiting:
-            raise QueueFull(f"{len(requests)} requests never fit a waiting queue of {self.max_waiting}",
-                            self.admission.retry_after(len(requests)))
+            raise NeverFits(f"{len(requests)} sequences never fit a waiting queue of {self.max_waiting}")
         return await self.admission.admit(len(requests), lambda: self._enqueue(requests),
                                           lambda _: [self.abort(r.request_id) for r in requests])
 
@@ -154,24 +148,6 @@ class AsyncEngine:
             if request_id in self._streams:
                 self._aborts.append(request_id)
                 self._wake.notify()
-
-    async def outputs(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Submit and yield outputs until the request finishes; aborts it if the caller stops."""
-        queue = self.submit(request)
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(request.request_id)
 
     # --- the loop ------------------------------------------------------------------------------------
     def run(self) -> None:

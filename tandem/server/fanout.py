@@ -10,7 +10,7 @@ from typing import AsyncIterator
 from tandem.core.outputs import RequestOutput
 from tandem.core.request import Request as EngineRequest
 from tandem.core.sampling_params import SamplingParams
-from tandem.server.async_engine import QueueFull, ShuttingDown
+from tandem.server.async_engine import NeverFits, QueueFull, ShuttingDown
 from tandem.server.protocol import APIError, bad_request, from_value_error
 from tandem.server.state import ServerState
 
@@ -62,12 +62,11 @@ async def submit(state: ServerState, jobs: list[Job]) -> list[asyncio.Queue]:
     """Hand every job to the engine loop, or none of them: 429 when there is no room in time (see
     admission.py), 503 once shutdown began; 400 for more jobs than the waiting queue can ever
     hold, since retrying would never help."""
-    bound = state.async_engine.max_waiting
-    if len(jobs) > bound:
-        raise bad_request(f"n: this request needs {len(jobs)} sequences (prompts x n), more than the server "
-                          f"ever queues at once ({bound}, --max-waiting)", "n")
     try:
         return await state.async_engine.submit_all([job.request for job in jobs])
+    except NeverFits as exc:
+        raise bad_request(f"n: this request needs {len(jobs)} sequences (prompts x n), more than the server "
+                          f"ever queues at once ({state.async_engine.max_waiting}, --max-waiting): {exc}", "n") from None
     except QueueFull as exc:
         state.metrics.reject("queue_full")
         raise APIError(429, f"the server is at its queue bound: {exc}; retry later",
