@@ -226,7 +226,8 @@ class Engine:
             timing=request.timing,
             logprobs=request.logprobs,
             error=error,
-            text_offsets=list(detok.offsets),
+            # only logprobs report offsets: copying them per token for every request is O(n^2) for nothing
+            text_offsets=list(detok.offsets) if request.params.logprobs is not None else [],
             user=request.user,
         )
 

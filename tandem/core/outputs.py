@@ -70,6 +70,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
     text_offsets: list[int] = field(default_factory=list)
-    """Per output token, where its text begins in ``text`` (characters)."""
+    """Per output token, where its text begins in ``text`` (characters); filled when the request
+    asked for logprobs, which are what report them (``text_offset``)."""
     user: str = ""
     """The request's user (fair sharing's tenant; "" anonymous)."""
