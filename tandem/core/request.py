@@ -111,7 +111,11 @@ class Request:
     @property
     def num_new_prompt_tokens(self) -> int:
         """Prompt tokens whose KV was never computed (a recompute does not count)."""
-        return max(0, self.num_prompt_tokens - max(self.num_cached_ever, self.num_computed_tokens))
+        return self.new_prompt_in(self.num_computed_tokens, self.num_prompt_tokens)
+
+    def new_prompt_in(self, start: int, end: int) -> int:
+        """How many of positions ``[start, end)`` are prompt tokens computed for the first time."""
+        return max(0, min(end, self.num_prompt_tokens) - max(start, self.num_cached_ever))
 
     def recomputed_in(self, start: int, end: int) -> int:
         """How many of positions ``[start, end)`` had their KV computed before."""

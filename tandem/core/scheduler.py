@@ -141,8 +141,7 @@ class Scheduler:
         """Count a planned slice as service to its user: prompt tokens computed for the first
         time, and the token it samples; recomputation is the scheduler's cost, not the user's."""
         request, end = p.request, p.start + p.num_tokens
-        new_prompt = max(0, min(end, request.num_prompt_tokens) - max(p.start, request.num_cached_ever))
-        self.fairness.charge(request, new_prompt, int(end == request.num_tokens))
+        self.fairness.charge(request, request.new_prompt_in(p.start, end), int(end == request.num_tokens))
 
     def update(self, output: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         """Apply a finished step; returns the requests that received a token."""
