@@ -1,7 +1,7 @@
 """CPU work a request brings (tokenizing its prompt, rendering chat, decoding ``/detokenize``
 ids) runs in a small worker pool, never on the event loop, so a large body cannot stall other
 clients' streams. The pool (``--tokenizer-threads`` workers) also bounds how many such jobs
-compete with the engine thread for the CPU; the body limit (``--max-request-bytes``) bounds each.
+compete with the engine for the CPU; the body limit (``--max-request-bytes``) bounds each.
 
 The tokenizer releases the GIL while it works (``tandem.tokenizer``), so the loop keeps running
 while a worker tokenizes.
@@ -14,24 +14,20 @@ import functools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-_POOL_ATTR = "_tandem_offload_pool"
 
+class Offload:
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self._pool: ThreadPoolExecutor | None = None
 
-def pool(state) -> ThreadPoolExecutor:
-    """The state's pool, made on first use (so any ServerState, built or not, has one)."""
-    executor = getattr(state, _POOL_ATTR, None)
-    if executor is None:
-        executor = ThreadPoolExecutor(max_workers=state.config.tokenizer_threads, thread_name_prefix="tandem-tok")
-        setattr(state, _POOL_ATTR, executor)
-    return executor
+    async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` in a worker; the pool starts on first use (again after ``shutdown``,
+        for an app served a second time)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="tandem-tok")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
-
-async def off_loop(state, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return await asyncio.get_running_loop().run_in_executor(pool(state), functools.partial(fn, *args, **kwargs))
-
-
-def shutdown(state) -> None:
-    executor = getattr(state, _POOL_ATTR, None)
-    if executor is not None:
-        executor.shutdown(wait=False, cancel_futures=True)
-        setattr(state, _POOL_ATTR, None)
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None

@@ -20,7 +20,6 @@ from tandem.server.chat import ROLES
 from tandem.server.fanout import Job, collect, make_jobs, merged_outputs, submit
 from tandem.server.json_body import read_json
 from tandem.server.middleware import ErrorGuard
-from tandem.server.offload import off_loop, shutdown as shutdown_offload
 from tandem.server.openai_format import full_response, response_id, sse_stream
 from tandem.server.openapi import request_body
 from tandem.server.protocol import (
@@ -49,7 +48,7 @@ def create_app(state: ServerState) -> FastAPI:
             yield
         finally:
             state.async_engine.stop()
-            shutdown_offload(state)
+            state.offload.shutdown()
             if state.tracer is not None:
                 path = state.tracer.write()
                 log.info("trace written to %s", path)
@@ -120,8 +119,8 @@ def create_app(state: ServerState) -> FastAPI:
         if req.prompt is not None:
             text = req.prompt
         else:
-            text = await off_loop(state, _render_chat, state, req.messages)
-        ids = await off_loop(state, state.tokenizer.encode, text, add_special_tokens=req.add_special_tokens)
+            text = await state.offload.run(_render_chat, state, req.messages)
+        ids = await state.offload.run(state.tokenizer.encode, text, add_special_tokens=req.add_special_tokens)
         # JSONResponse directly: FastAPI's encoder walks a long id list in Python, on the event loop
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len})
 
@@ -133,7 +132,7 @@ def create_app(state: ServerState) -> FastAPI:
         for i, t in enumerate(req.tokens):
             if not 0 <= t < vocab:
                 raise bad_request(f"tokens[{i}]: must be in [0, {vocab}), got {t}", f"tokens[{i}]")
-        return {"prompt": await off_loop(state, state.tokenizer.decode_long, req.tokens, skip_special_tokens=False)}
+        return {"prompt": await state.offload.run(state.tokenizer.decode_long, req.tokens, skip_special_tokens=False)}
 
     # --- generation --------------------------------------------------------------------------------
     @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
@@ -144,7 +143,7 @@ def create_app(state: ServerState) -> FastAPI:
         params = req.sampling_params()  # SamplingParams' defaults are OpenAI's
         prompts = req.prompts()
         user = req.tenant(request.headers.get(USER_HEADER))
-        jobs = await off_loop(state, make_jobs, state, prompts, params, req.n, req.priority, arrival,
+        jobs = await state.offload.run(make_jobs, state, prompts, params, req.n, req.priority, arrival,
                               default_max=False, explicit_max=req.max_tokens is not None,
                               response_id=response_id(chat=False), user=user)
         return await _respond(state, request, jobs, req, chat=False)
@@ -157,10 +156,10 @@ def create_app(state: ServerState) -> FastAPI:
         # chat's default max_tokens: the room left in the context (see core/sampling_params.py)
         params = req.sampling_params(state.engine.max_model_len)
         user = req.tenant(request.headers.get(USER_HEADER))
-        text = await off_loop(state, _render_chat, state, req.messages, req)
+        text = await state.offload.run(_render_chat, state, req.messages, req)
         explicit = req.max_tokens is not None or req.max_completion_tokens is not None
         with req.field_names():
-            jobs = await off_loop(state, make_jobs, state, [text], params, req.n, req.priority, arrival,
+            jobs = await state.offload.run(make_jobs, state, [text], params, req.n, req.priority, arrival,
                                   default_max=not explicit, explicit_max=explicit, response_id=response_id(chat=True),
                                   user=user)
         return await _respond(state, request, jobs, req, chat=True)

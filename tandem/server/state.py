@@ -12,6 +12,7 @@ from tandem.config import EngineConfig, ServerConfig
 from tandem.core.engine import Engine
 from tandem.server.async_engine import AsyncEngine
 from tandem.server.chat import ChatFormatter
+from tandem.server.offload import Offload
 from tandem.server.prometheus import ServerMetrics
 from tandem.tokenizer import Tokenizer
 from tandem.trace import TraceRecorder
@@ -39,6 +40,8 @@ class ServerState:
     created: int
     paths: dict
     """``LoadedModel.paths()``: which implementation of everything runs."""
+    offload: Offload
+    """The worker pool for tokenizing off the event loop (``--tokenizer-threads``)."""
     paths_line: str = ""
 
 
@@ -83,5 +86,6 @@ def build_state(engine_config: EngineConfig, server_config: ServerConfig) -> Ser
         engine=engine, async_engine=async_engine, metrics=metrics, tracer=tracer,
         chat=ChatFormatter(loaded.tokenizer, loaded.spec.family), tokenizer=loaded.tokenizer, model_name=name,
         config=server_config, engine_config=engine_config,
-        api_key=server_config.api_key or os.environ.get("TANDEM_API_KEY") or None, created=unix_time(), paths=paths, paths_line=loaded.paths_line(),
+        api_key=server_config.api_key or os.environ.get("TANDEM_API_KEY") or None, created=unix_time(), paths=paths,
+        offload=Offload(server_config.tokenizer_threads), paths_line=loaded.paths_line(),
     )
