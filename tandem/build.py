@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -99,6 +99,9 @@ class LoadedModel:
     quantization: str = "none"
     auto: AutoChoice | None = None
     """How ``--quantization auto`` chose, when it did."""
+    step_priors: dict[tuple[int, int], StepCost] = field(default_factory=dict)
+    """``step_prior`` per KV layout (blocks, block size), measured once: engines built over this
+    model (one per `tandem compare` configuration) start from the same estimate."""
 
     @property
     def w8a8_kernels(self):
@@ -226,8 +229,11 @@ def engine_for(
         raise ValueError("kv_cache_memory_gib: too small for a single KV-cache block")
     layout = KVLayout(num_blocks, config.cache.block_size)
     runner = ModelRunner(loaded.model, layout, loaded.device, loaded.dtype, config.model.seed)
-    prior = step_prior(runner, layout, loaded.max_model_len)
-    log.info("step-time prior: %s", prior)
+    key = (layout.num_blocks, layout.block_size)
+    if key not in loaded.step_priors:
+        loaded.step_priors[key] = step_prior(runner, layout, loaded.max_model_len)
+        log.info("step-time prior: %s", loaded.step_priors[key])
+    prior = loaded.step_priors[key]
     return Engine(
         config.scheduler,
         runner,
