@@ -243,6 +243,9 @@ def engine_for(
         clock=clock,
         on_step=on_step,
         step_prior=prior,
+        # a fresh engine's cache starts empty, so this only keeps its block names apart from any
+        # other model's (block hashes are what a prefix-aware router would compare)
+        cache_namespace=f"{loaded.name}|{loaded.dtype}|{loaded.quantization}",
     )
 
 

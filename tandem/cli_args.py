@@ -43,7 +43,9 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str, s
         else:
             default = f.default
         if hints[f.name] is bool:
-            group.add_argument(flag, dest=f.name, action="store_true", default=default, help=help_text)
+            # a switch that is on by default also needs its off form (--no-...)
+            action = argparse.BooleanOptionalAction if default else "store_true"
+            group.add_argument(flag, dest=f.name, action=action, default=default, help=help_text)
         elif f.metadata.get("action") == "append":
             group.add_argument(flag, dest=f.name, action="append", default=list(default),
                                type=_element_type(hints[f.name]), help=help_text)

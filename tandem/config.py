@@ -107,6 +107,14 @@ class SchedulerConfig:
     min_target_ttft_ms: float = field(
         default=100.0, metadata=_help("the tightest target_ttft_ms a request may ask for (400 below)")
     )
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata=_help(
+            "automatic prefix caching: full KV blocks are named by a hash of their tokens and everything "
+            "before them, kept after their request ends until the memory is needed (least recently used "
+            "first), and a new request starts its prefill after the longest run of them it shares"
+        ),
+    )
     step_model_window: int = field(
         default=256, metadata=_help("the step-time model is fitted on the last this many measured steps")
     )

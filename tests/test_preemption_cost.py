@@ -11,13 +11,14 @@ from tandem.core.request import SamplingParams
 from tandem.sim import StepCost, sim_engine
 
 
-def forced_preemption(fairness="fcfs"):
+def forced_preemption(fairness="fcfs", prefix_caching=False):
     """Two requests of 8 prompt tokens and 8 output tokens in 6 blocks of 4 tokens: both run until
     each holds 3 blocks with 12 tokens of KV; growing r0 to 13 needs a fourth block, so r1 (ranked
     below) is preempted with 8 prompt + 5 generated tokens, 12 of them with KV. Once r0 finishes,
-    r1 comes back and recomputes exactly those 12 (its 13th, the newest token, never had KV)."""
-    engine = sim_engine(SchedulerConfig(max_num_seqs=2, fairness=fairness), StepCost(), num_kv_blocks=6,
-                        block_size=4)
+    r1 comes back and recomputes exactly those 12 (its 13th, the newest token, never had KV).
+    Without the prefix cache: with it, r1 would reuse what is still cached (test_prefix_cache)."""
+    engine = sim_engine(SchedulerConfig(max_num_seqs=2, fairness=fairness, enable_prefix_caching=prefix_caching),
+                        StepCost(), num_kv_blocks=6, block_size=4)
     for i, user in enumerate(("a", "b")):
         engine.add_request(list(range(1, 9)), SamplingParams(max_tokens=8, ignore_eos=True), request_id=f"r{i}",
                            user=user)

@@ -31,7 +31,7 @@ def run_mixed(config: SchedulerConfig, seed: int = 0):
     while pending or engine.has_unfinished_requests():
         while pending and pending[0][0] <= clock.now:
             t, prompt, out = pending.pop(0)
-            engine.add_request(ids(prompt), SamplingParams(max_tokens=out, ignore_eos=True),
+            engine.add_request(ids(prompt, start=len(engine.scheduler.requests) * 37 + int(t * 1000)), SamplingParams(max_tokens=out, ignore_eos=True),
                                arrival_time=t)
         if not engine.has_unfinished_requests():
             clock.advance_to(pending[0][0])
@@ -42,8 +42,9 @@ def run_mixed(config: SchedulerConfig, seed: int = 0):
     return engine
 
 
-def ids(n: int) -> list[int]:
-    return [1 + i % 998 for i in range(n)]  # the simulator's vocabulary is 1000
+def ids(n: int, start: int = 0) -> list[int]:
+    """Prompts that start differently share no cached prefix (the simulator's vocabulary is 1000)."""
+    return [1 + (start + i) % 998 for i in range(n)]
 
 
 def p99(values):

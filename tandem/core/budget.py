@@ -5,6 +5,11 @@ lower-ranked requests when blocks run out) and ``admit`` (a waiting request's fi
 never preempts). Each call answers whether it fit, so a policy is a loop over requests that
 stops or skips on a refusal. The budget records what was scheduled; the scheduler turns that into
 the step's plain-data output.
+
+With prefix caching, a policy calls ``reuse_prefix`` on a waiting request before it sizes the
+request's first chunk: the request takes its cached blocks and starts after them, so every sizing
+rule sees where its prefill really begins. A request that is then not admitted gives them back at
+the end of the step (``release_unadmitted``).
 """
 
 from __future__ import annotations
@@ -12,8 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.core.kv_blocks import BlockAllocator
+from tandem.core.prefix_cache import PrefixCache
 from tandem.core.queues import RequestQueues
-from tandem.core.request import Request
+from tandem.core.request import Request, RequestStatus
 
 
 @dataclass
@@ -33,6 +39,7 @@ class StepBudget:
         allocator: BlockAllocator,
         queues: RequestQueues,
         watermark_blocks: int,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.tokens_left = max_tokens
         self.max_seqs = max_seqs
@@ -41,7 +48,10 @@ class StepBudget:
         self.watermark_blocks = watermark_blocks
         self.planned: list[Planned] = []
         self.preempted: list[Request] = []
+        self.admitted: list[Request] = []
+        self.prefix_cache = prefix_cache
         self._scheduled: set[str] = set()
+        self._reusing: list[Request] = []
 
     @property
     def has_seat(self) -> bool:
@@ -79,8 +89,28 @@ class StepBudget:
         if not self.allocator.grow(request.request_id, target):
             return False
         self.queues.start(request)
+        self.admitted.append(request)
         self._plan(request, num_tokens)
         return True
+
+    def reuse_prefix(self, request: Request) -> None:
+        """Let a waiting request start after its cached prefix, if it has one."""
+        if self.prefix_cache is None or request.num_computed_tokens or self.allocator.num_blocks_held(request.request_id):
+            return
+        blocks = self.prefix_cache.cached_prefix(request)
+        if not blocks:
+            return
+        self.allocator.attach(request.request_id, blocks)
+        request.num_computed_tokens = len(blocks) * self.allocator.block_size
+        self._reusing.append(request)
+
+    def release_unadmitted(self) -> None:
+        """Waiting requests hold nothing between steps: return the prefixes of those not admitted."""
+        for request in self._reusing:
+            if request.status is RequestStatus.WAITING:
+                self.allocator.free(request.request_id)
+                request.num_computed_tokens = 0
+        self._reusing = []
 
     def _plan(self, request: Request, num_tokens: int) -> None:
         self.planned.append(Planned(request, request.num_computed_tokens, num_tokens))

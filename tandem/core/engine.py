@@ -50,13 +50,16 @@ class Engine:
         on_step: Callable[[StepStats], None] | None = None,
         record_steps: bool = True,
         step_prior: StepCost | None = None,
+        cache_namespace: str = "",
     ) -> None:
+        """``cache_namespace`` names what the KV depends on besides the tokens (the model, its dtype and
+        quantization), so prefix blocks of different engines never share a name."""
         self.clock = clock
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.allocator = BlockAllocator(kv_layout)
-        self.scheduler = Scheduler(scheduler_config, self.allocator, clock)
+        self.scheduler = Scheduler(scheduler_config, self.allocator, clock, cache_namespace)
         # Fitted on every measured step (its coefficients are metrics); the chunked policy sizes
         # steps with it. ``step_prior``: the start-up estimate (``tandem.build.step_prior``).
         self.step_model = StepTimeModel(step_prior or StepCost(), scheduler_config.step_model_window,
@@ -81,9 +84,10 @@ class Engine:
         arrival_time: float | None = None,
         priority: int = 0,
         user: str = "",
+        cache_salt: str | None = None,
     ) -> str:
         """Validate and queue a request; raises ValueError naming the bad field."""
-        return self.add(self.make_request(prompt, params, request_id, arrival_time, priority, user))
+        return self.add(self.make_request(prompt, params, request_id, arrival_time, priority, user, cache_salt))
 
     def make_request(
         self,
@@ -93,6 +97,7 @@ class Engine:
         arrival_time: float | None = None,
         priority: int = 0,
         user: str = "",
+        cache_salt: str | None = None,
     ) -> Request:
         """Tokenize and validate without touching the engine's state (safe from other threads)."""
         params = params if params is not None else SamplingParams()
@@ -104,6 +109,8 @@ class Engine:
             raise ValueError(f"priority: must be an integer, got {priority!r}")
         if not isinstance(user, str):
             raise ValueError(f"user: must be a string, got {type(user).__name__}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt: must be a non-empty string, got {cache_salt!r}")
         text, ids = self._prompt_ids(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(
@@ -120,6 +127,7 @@ class Engine:
             priority=priority,
             prompt=text,
             user=user,
+            cache_salt=cache_salt,
         )
         self.scheduler.check_fits(request)
         return request
@@ -229,6 +237,7 @@ class Engine:
             # only logprobs report offsets: copying them per token for every request is O(n^2) for nothing
             text_offsets=list(detok.offsets) if request.params.logprobs is not None else [],
             user=request.user,
+            num_cached_tokens=request.num_cached_tokens,
         )
 
     def _record(self, start: float, out: SchedulerOutput, result: RunnerOutput, error: str | None) -> None:
@@ -258,6 +267,8 @@ class Engine:
                 for c in out.chunks
             ),
             num_recomputed_tokens=out.num_recomputed_tokens,
+            num_cache_queries=self.scheduler.last_cache_queries,
+            num_cached_tokens=self.scheduler.last_cached_tokens,
             predicted_seconds=predicted,
         )
         if self.record_steps:

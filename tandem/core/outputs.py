@@ -40,6 +40,10 @@ class StepStats:
     chunks: tuple[ChunkStat, ...] = ()
     num_recomputed_tokens: int = 0
     """Of ``num_prefill_tokens``, those recomputed after a preemption rather than prefilled first-time."""
+    num_cache_queries: int = 0
+    """Tokens of the requests admitted in this step, each looked up in the prefix cache (0 with it off)."""
+    num_cached_tokens: int = 0
+    """Of those, the tokens reused from the prefix cache instead of computed."""
     num_generated: int | None = None
     """Tokens the step produced (``None``: every sampled chunk's, the step had no failure); a
     step that failed for some requests produced only the others'."""
@@ -74,3 +78,5 @@ class RequestOutput:
     asked for logprobs, which are what report them (``text_offset``)."""
     user: str = ""
     """The request's user (fair sharing's tenant; "" anonymous)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens taken from the prefix cache (OpenAI's ``usage.prompt_tokens_details.cached_tokens``)."""

@@ -54,6 +54,7 @@ def _decode_running(queues: RequestQueues, budget: StepBudget) -> None:
 
 def _admit_whole_prompts(queues: RequestQueues, budget: StepBudget, reserve_output: bool, token_budget: bool) -> None:
     for request in queues.admission_order():
+        budget.reuse_prefix(request)
         n = request.num_uncomputed_tokens
         if token_budget and budget.planned and n > budget.tokens_left:
             break
@@ -131,6 +132,7 @@ class ChunkedPolicy:
             is_long = self._is_long(request)
             if is_long and self.max_long and long_active >= self.max_long:
                 continue
+            budget.reuse_prefix(request)
             start, n = request.num_computed_tokens, share.size(request, self._chunk(request, budget.tokens_left))
             if not n:  # no time left for it; a later prompt may still need its TTFT share
                 continue

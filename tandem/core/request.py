@@ -76,6 +76,8 @@ class Request:
     prompt: str | None = None
     user: str = ""
     """The tenant fair sharing counts service for ("" is the anonymous user)."""
+    cache_salt: str | None = None
+    """Requests share cached prefix blocks only with requests of the same salt (``prefix_cache``)."""
 
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -88,6 +90,10 @@ class Request:
     """The most tokens that ever had KV at once: positions below it that are computed again
     after a preemption are recomputation, not first-time prefill."""
     num_recomputed_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache when the request was first admitted."""
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    """Hashes of the request's full blocks so far (computed as the prefix cache needs them)."""
 
     def __post_init__(self) -> None:
         self.timing = RequestTiming(arrival=self.arrival_time)

@@ -16,6 +16,7 @@ from tandem.core.budget import Planned, StepBudget
 from tandem.core.fairness import make_fairness
 from tandem.core.kv_blocks import BlockAllocator
 from tandem.core.policies import make_policy
+from tandem.core.prefix_cache import PrefixCache, PrefixHasher
 from tandem.core.queues import RequestQueues
 from tandem.core.request import FinishReason, Request, RequestStatus
 from tandem.core.step import RunnerOutput, ScheduledChunk, SchedulerOutput
@@ -30,7 +31,10 @@ class RequestRejected(ValueError):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, clock: Callable[[], float]):
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, clock: Callable[[], float],
+                 cache_namespace: str = ""):
+        """``cache_namespace``: what else the KV depends on (the model and its numerics), so that
+        prefix blocks are named apart from any other engine's."""
         config.validate()
         self.config = config
         self.allocator = allocator
@@ -46,6 +50,11 @@ class Scheduler:
         self.watermark_blocks = max(1, allocator.num_blocks // WATERMARK_DIVISOR)
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
+        self.last_cache_queries = self.last_cached_tokens = 0
+        """Of the requests admitted in the last scheduled step: their tokens, and those they reused
+        from the prefix cache (0 and 0 with the cache off)."""
+        self.prefix_cache = (PrefixCache(allocator, PrefixHasher(allocator.block_size, cache_namespace))
+                             if config.enable_prefix_caching else None)
 
     @property
     def waiting(self) -> list[Request]:
@@ -102,10 +111,14 @@ class Scheduler:
         self._step_id += 1
         budget = StepBudget(
             self.config.max_num_batched_tokens, self.config.max_num_seqs, self.allocator, self.queues,
-            self.watermark_blocks,
+            self.watermark_blocks, self.prefix_cache,
         )
         self.policy.schedule(self.queues, budget)
+        budget.release_unadmitted()
         self.num_preemptions += len(budget.preempted)
+        self.last_cache_queries = self.last_cached_tokens = 0
+        for request in budget.admitted:
+            self._count_reuse(request)
         for p in budget.planned:
             self._charge(p)
         now = self.clock()
@@ -137,6 +150,17 @@ class Scheduler:
             finished_ids=tuple(finished),
         )
 
+    def _count_reuse(self, request: Request) -> None:
+        """An admitted request starts after what it reused of the prefix cache."""
+        if self.prefix_cache is None:
+            return
+        reused = request.num_computed_tokens
+        self.prefix_cache.count(request, reused)
+        if request.timing.first_scheduled is None:
+            request.num_cached_tokens = min(reused, request.num_prompt_tokens)
+        self.last_cache_queries += request.num_tokens
+        self.last_cached_tokens += reused
+
     def _charge(self, p: Planned) -> None:
         """Count a planned slice as service to its user: prompt tokens computed for the first
         time, and the token it samples; recomputation is the scheduler's cost, not the user's."""
@@ -152,6 +176,8 @@ class Scheduler:
             if request.is_finished:  # aborted while the step ran
                 continue
             request.num_computed_tokens = chunk.end
+            if self.prefix_cache is not None:
+                self.prefix_cache.publish(request, chunk.start, chunk.end)
             request.num_recomputed_tokens += chunk.num_recomputed_tokens
             self.num_recomputed_tokens += chunk.num_recomputed_tokens
             if not chunk.samples:
@@ -195,3 +221,7 @@ class Scheduler:
                 request.num_computed_tokens
             ):
                 raise AssertionError(f"running request {request.request_id} lacks blocks for its KV")
+            if self.prefix_cache is not None:
+                self.prefix_cache.check(request)
+        if not self.queues and not self.allocator.all_free():
+            raise AssertionError("the engine is idle but blocks are still held")

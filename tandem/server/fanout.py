@@ -25,7 +25,8 @@ class Job:
 
 
 def make_jobs(state: ServerState, prompts: list, params: SamplingParams, n: int, priority: int, arrival: float,
-              default_max: bool, explicit_max: bool, response_id: str, user: str = "") -> list[Job]:
+              default_max: bool, explicit_max: bool, response_id: str, user: str = "",
+              cache_salt: str | None = None) -> list[Job]:
     """Tokenizes every prompt: call it off the event loop (``tandem.server.offload``)."""
     engine = state.engine
     single = len(prompts) * n == 1
@@ -41,7 +42,7 @@ def make_jobs(state: ServerState, prompts: list, params: SamplingParams, n: int,
                 # one job is the response itself; several are told apart by their choice index
                 rid = response_id if single else f"{response_id}-{len(jobs)}"
                 request = engine.make_request(prompt, p, request_id=rid, arrival_time=arrival, priority=priority,
-                                              user=user)
+                                              user=user, cache_salt=cache_salt)
             except ValueError as exc:
                 raise from_value_error(exc) from None
             room = engine.max_model_len - request.num_prompt_tokens

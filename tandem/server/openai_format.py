@@ -17,11 +17,16 @@ def response_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def _usage(jobs: list[Job], outputs: dict[int, RequestOutput]) -> dict[str, int]:
-    # a prompt counts once, however many choices (n) it has
+def _usage(jobs: list[Job], outputs: dict[int, RequestOutput]) -> dict[str, Any]:
+    # a prompt counts once, however many choices (n) it has; so do its cached tokens (the most any
+    # of its choices reused: they share the prompt, and the first to run computes it for the rest)
     prompt = sum({j.prompt_index: j.request.num_prompt_tokens for j in jobs}.values())
+    cached: dict[int, int] = {}
+    for j in jobs:
+        cached[j.prompt_index] = max(cached.get(j.prompt_index, 0), j.request.num_cached_tokens)
     completion = sum(len(o.token_ids) for o in outputs.values())
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
 def _token_text(state: ServerState, token_id: int) -> str:

@@ -61,6 +61,14 @@ class ServerMetrics:
         self.recomputed = Counter("tandem:recomputed_tokens", "Prompt and output tokens whose KV was computed "
                                   "again after a preemption (not counted as first-time prefill).", m, registry=r)
         self.recomputed.labels(model_name)  # exported as 0 from the start: a run's delta needs a first value
+        self.cache_queries = Counter("tandem:prefix_cache_queries", "Tokens of admitted requests, each looked "
+                                     "up in the prefix cache (a preempted request is looked up again).", m, registry=r)
+        self.cache_hits = Counter("tandem:prefix_cache_hits", "Of the queried tokens, those whose KV was "
+                                  "reused from the prefix cache instead of computed.", m, registry=r)
+        self.cache_queries.labels(model_name)
+        self.cache_hits.labels(model_name)
+        self.cached_blocks = Gauge("tandem:prefix_cache_blocks", "KV-cache blocks holding a reusable prefix "
+                                   "block (held by a request or kept until the memory is needed).", m, registry=r)
         self.users = UserMetrics(model_name, top_users)
         r.register(self.users)
         self._vtc_at = float("-inf")
@@ -93,7 +101,7 @@ class ServerMetrics:
                                 "each op's implementation.", m, registry=r)
         self._recent: deque[tuple[float, float, float, float]] = deque()  # (end, duration, flops, bytes)
         self._lock = threading.Lock()
-        for g in (self.running, self.waiting, self.kv_usage, self.mfu, self.mbu, self.busy):
+        for g in (self.running, self.waiting, self.kv_usage, self.mfu, self.mbu, self.busy, self.cached_blocks):
             g.labels(model_name).set(0)
 
     def set_paths(self, paths: dict) -> None:
@@ -124,6 +132,10 @@ class ServerMetrics:
             self.preemptions.labels(lm).inc(s.num_preempted)
         if s.num_recomputed_tokens and s.error is None:
             self.recomputed.labels(lm).inc(s.num_recomputed_tokens)
+        if s.num_cache_queries:
+            self.cache_queries.labels(lm).inc(s.num_cache_queries)
+            self.cache_hits.labels(lm).inc(s.num_cached_tokens)
+        self.cached_blocks.labels(lm).set(engine.allocator.num_cached_blocks)
         counters = getattr(engine.scheduler.fairness, "counters", None)
         idle = not (engine.num_running or engine.num_waiting)  # the counters stay as they are now
         if counters is not None and (idle or s.start - self._vtc_at >= VTC_SNAPSHOT_S):

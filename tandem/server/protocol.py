@@ -91,6 +91,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+MAX_CACHE_SALT_CHARS = 256
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     model: str | None = None
@@ -116,6 +119,9 @@ class _Common(BaseModel):
     target_ttft_ms: float | None = Field(default=None, description=(
         "time-to-first-token target (ms), replacing the server's --target-ttft-ms; never below its "
         "--min-target-ttft-ms"))
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, description=(
+        "prefix-cache salt: the request shares cached prompt blocks only with requests that give the same "
+        "salt, so one tenant cannot learn another's prompts from how fast its own are answered"))
 
     def tenant(self, header: str | None) -> str:
         """The user this request is served for: the ``X-Tandem-User`` header, else the body's

@@ -145,7 +145,7 @@ def create_app(state: ServerState) -> FastAPI:
         user = req.tenant(request.headers.get(USER_HEADER))
         jobs = await state.offload.run(make_jobs, state, prompts, params, req.n, req.priority, arrival,
                               default_max=False, explicit_max=req.max_tokens is not None,
-                              response_id=response_id(chat=False), user=user)
+                              response_id=response_id(chat=False), user=user, cache_salt=req.cache_salt)
         return await _respond(state, request, jobs, req, chat=False)
 
     @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
@@ -161,7 +161,7 @@ def create_app(state: ServerState) -> FastAPI:
         with req.field_names():
             jobs = await state.offload.run(make_jobs, state, [text], params, req.n, req.priority, arrival,
                                   default_max=not explicit, explicit_max=explicit, response_id=response_id(chat=True),
-                                  user=user)
+                                  user=user, cache_salt=req.cache_salt)
         return await _respond(state, request, jobs, req, chat=True)
 
     return app
