@@ -54,18 +54,17 @@ class TokenHistory:
 
     def prepare(self, chunk: ScheduledChunk) -> _History:
         """The history of ``chunk``'s request, as of the token this chunk samples."""
-        h = self._requests.get(chunk.request_id)
-        if h is None:
-            h = self._requests[chunk.request_id] = _History()
+        h = self._requests.get(chunk.request_id) or _History()
         if chunk.prompt_token_ids is not None and h.prompt is None:
             h.prompt = torch.tensor(chunk.prompt_token_ids, dtype=torch.long, device=self.device)
         num_output = chunk.end - chunk.num_prompt_tokens
         if len(h.output) < num_output:
             raise RuntimeError(f"request {chunk.request_id}: the sampler holds {len(h.output)} of its "
                                f"{num_output} output tokens")
-        del h.output[num_output:]
         if chunk.sampling.repetition_penalty != 1 and h.prompt is None:
             raise RuntimeError(f"request {chunk.request_id}: repetition_penalty needs the prompt, which was never sent")
+        del h.output[num_output:]
+        self._requests[chunk.request_id] = h
         return h
 
     def record(self, request_ids: Sequence[str], tokens: Sequence[int]) -> None:

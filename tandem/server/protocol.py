@@ -156,7 +156,7 @@ class _Common(RefusedFields):  # type: ignore[misc, valid-type]
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > 16:
             raise bad_request("stop: at most 16 stop strings", "stop")
-        if max_tokens is not None and self.min_tokens > max_tokens:
+        if max_tokens is not None and 0 < max_tokens < self.min_tokens:
             raise bad_request(f"min_tokens: must not exceed max_tokens ({max_tokens}), got {self.min_tokens}",
                               "min_tokens")
         given = {
