@@ -228,7 +228,8 @@ def engine_for(
     if num_blocks < 1:
         raise ValueError("kv_cache_memory_gib: too small for a single KV-cache block")
     layout = KVLayout(num_blocks, config.cache.block_size)
-    runner = ModelRunner(loaded.model, layout, loaded.device, loaded.dtype, config.model.seed)
+    runner = ModelRunner(loaded.model, layout, loaded.device, loaded.dtype, config.model.seed,
+                         loaded.tokenizer.eos_token_ids)
     key = (layout.num_blocks, layout.block_size)
     if key not in loaded.step_priors:
         loaded.step_priors[key] = step_prior(runner, layout, loaded.max_model_len)

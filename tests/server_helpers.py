@@ -18,6 +18,7 @@ from tandem.bench.launch import free_port
 from tandem.config import EngineConfig, ServerConfig
 from tandem.server.routes import create_app
 from tandem.server.state import ServerState, build_state
+from tandem.server.unsupported import REFUSED
 from tiny_models import save_tiny
 
 # the Host a client of a loopback server sends; a foreign one is refused (DNS rebinding)
@@ -168,7 +169,17 @@ def _narrow(schema: dict, route: str, model_name: str) -> dict:
         "top_k": {"anyOf": [{"const": -1}, {"type": "integer", "minimum": 1, "maximum": 500}]},
         "n": {"type": "integer", "minimum": 1, "maximum": BOUND_N},
         "seed": {"type": "integer", "minimum": -(2 ** 63), "maximum": 2 ** 63 - 1},
-        "presence_penalty": {"const": 0}, "frequency_penalty": {"const": 0},
+        "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+        "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+        "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 3},
+        "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "min_tokens": {"const": 0},
+        "logit_bias": {"type": "object", "maxProperties": 3, "propertyNames": {"pattern": r"\A[1-9][0-9]?\Z"},
+                       "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+        "bad_words": {"type": "array", "items": words, "maxItems": 3},
+        "cache_salt": {"type": "string", "maxLength": 16},
+        "metadata": {"type": "null"},
+        **{name: {"type": "null"} for name in REFUSED},
         "stop": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 6}, "maxItems": 4},
         "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 383},
                            "maxItems": 4},
@@ -180,10 +191,10 @@ def _narrow(schema: dict, route: str, model_name: str) -> dict:
     if route == "/v1/completions":
         narrowed["prompt"] = {"anyOf": [words, ids, {"type": "array", "items": words, "minItems": 1, "maxItems": 3}]}
         narrowed["logprobs"] = {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 5}, {"type": "null"}]}
-    message = {"type": "object", "required": ["role", "content"], "properties": {
+    message = {"type": "object", "required": ["role", "content"], "additionalProperties": False, "properties": {
         "role": {"enum": ["system", "user", "assistant"]},
         "content": {"anyOf": [words, {"type": "array", "maxItems": 2, "items": {
-            "type": "object", "required": ["type", "text"],
+            "type": "object", "required": ["type", "text"], "additionalProperties": False,
             "properties": {"type": {"const": "text"}, "text": words}}}]}}}
     if "messages" in props:
         narrowed["messages"] = {"type": "array", "items": message, "minItems": 1, "maxItems": 3}

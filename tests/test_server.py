@@ -205,7 +205,7 @@ BAD = [
     ({"prompt": "w1", "stop": 3}, 400, "stop"),
     ({"prompt": "w1", "stream": "yes"}, 400, "stream"),
     ({"max_tokens": 3}, 400, "prompt"),
-    ({"prompt": "w1", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": "w1", "presence_penalty": 2.5}, 400, "presence_penalty"),
 ]
 
 

@@ -25,13 +25,17 @@ class Decoder(Protocol):
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Decoder, prompt_ids: Sequence[int], stop: Sequence[str], include_stop: bool):
+    def __init__(self, tokenizer: Decoder, prompt_ids: Sequence[int], stop: Sequence[str], include_stop: bool,
+                 min_tokens: int = 0):
+        """``min_tokens``: stop strings are looked for only once the output is longer (vLLM's rule)."""
         self._tok = tokenizer
         self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._stop = tuple(stop)
         self._include_stop = include_stop
+        self._min_tokens = min_tokens
+        self._num_tokens = 0
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self.text = ""
         self.offsets: list[int] = []
@@ -42,6 +46,7 @@ class IncrementalDetokenizer:
         for token_id in token_ids:
             self.offsets.append(len(self.text))
             self._ids.append(token_id)
+            self._num_tokens += 1
             before = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
             after = self._tok.decode(self._ids[self._prefix_offset :])
             if len(after) <= len(before) or after.endswith("\ufffd"):
@@ -49,7 +54,7 @@ class IncrementalDetokenizer:
             old_len = len(self.text)
             self.text += after[len(before) :]
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-            matched = self._find_stop(old_len)
+            matched = self._find_stop(old_len) if self._num_tokens > self._min_tokens else None
             if matched is not None:
                 return matched
         return None

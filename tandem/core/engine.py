@@ -104,6 +104,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         params.validate()
+        params = params.with_tokenizer(self.tokenizer)
         check_request_targets(params, self.scheduler.config)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority: must be an integer, got {priority!r}")
@@ -137,7 +138,8 @@ class Engine:
         self.scheduler.add_request(request)
         params = request.params
         self._detok[request.request_id] = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, params.stop, params.include_stop_str_in_output
+            self.tokenizer, request.prompt_token_ids, params.stop, params.include_stop_str_in_output,
+            params.min_tokens,
         )
         return request.request_id
 

@@ -15,12 +15,16 @@ the row into NaNs and the draw into token 0.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 
 GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy (vLLM's threshold)."""
+
+MAX_LOGIT_BIAS = 300
+"""OpenAI's bound on ``logit_bias`` entries."""
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 128, 256
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 """A seed is 64 bits, signed or unsigned: what the random generator accepts. The HTTP API takes
@@ -50,12 +54,36 @@ class SamplingParams:
     target_ttft_ms: float | None = field(default=None, metadata=_help(
         "this request's time-to-first-token target (ms), replacing the engine's --target-ttft-ms; never below "
         "--min-target-ttft-ms"))
+    presence_penalty: float = field(default=0.0, metadata=_help(
+        "subtracted from the logit of every token the output already holds; in [-2, 2]"))
+    frequency_penalty: float = field(default=0.0, metadata=_help(
+        "subtracted from a token's logit once per time the output already holds it; in [-2, 2]"))
+    repetition_penalty: float = field(default=1.0, metadata=_help(
+        "> 0: logits of tokens in the prompt or output are divided by it where positive, multiplied where "
+        "negative; 1 disables"))
+    logit_bias: dict[int, float] | None = field(default=None, metadata=_help(
+        f"TOKEN_ID=BIAS pairs: BIAS in [-100, 100] is added to that token's logit; at most {MAX_LOGIT_BIAS}",
+        nargs="+"))
+    min_tokens: int = field(default=0, metadata=_help(
+        "end-of-sequence and stop_token_ids cannot be sampled, nor stop strings end the output, before this "
+        "many output tokens"))
+    min_p: float = field(default=0.0, metadata=_help(
+        "drop tokens whose probability is below min_p times the most likely one's; in [0, 1]"))
+    bad_words: Sequence[str] = field(default=(), metadata=_help(
+        "a word that may not be generated (repeatable)", action="append"))
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False, metadata=_help(
+        "derived: bad_words tokenized (``with_tokenizer``)"))
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         self.stop = tuple(self.stop)
         self.stop_token_ids = tuple(self.stop_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = (self.bad_words,)
+        self.bad_words = tuple(self.bad_words)
+        if isinstance(self.logit_bias, (list, tuple)):  # the command line's TOKEN_ID=BIAS pairs
+            self.logit_bias = _parse_bias_pairs(self.logit_bias)
         self.validate()
 
     def validate(self) -> None:
@@ -79,6 +107,65 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_number(value) or not 0 < value < math.inf):
                 raise ValueError(f"{name}: must be a number of milliseconds > 0, got {value!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name}: must be a number in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty: must be a finite number > 0, got {self.repetition_penalty!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p: must be a number in [0, 1], got {self.min_p!r}")
+        # not checked against max_tokens here: a front end may lower max_tokens to the room left
+        # in the context after this check (max_tokens then wins)
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens: must be an integer >= 0, got {self.min_tokens!r}")
+        self._validate_logit_bias()
+        if len(self.bad_words) > MAX_BAD_WORDS or not all(
+                isinstance(w, str) and w.strip() and len(w) <= MAX_BAD_WORD_CHARS for w in self.bad_words):
+            raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} non-blank strings of at most "
+                             f"{MAX_BAD_WORD_CHARS} characters, got {self.bad_words!r:.200}")
+
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: must map at most {MAX_LOGIT_BIAS} token ids to biases")
+        for token, value in bias.items():
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"logit_bias: keys must be token ids (integers >= 0), got {token!r}")
+            if not _is_number(value) or not -100 <= value <= 100:
+                raise ValueError(f"logit_bias: the bias of token {token} must be a number in [-100, 100], got {value!r}")
+
+    def with_tokenizer(self, tokenizer: Any) -> "SamplingParams":
+        """These parameters checked against the model's vocabulary, with ``bad_words`` tokenized
+        (a copy where anything is added: the same parameters may serve several prompts)."""
+        vocab = tokenizer.vocab_size
+        for token in self.logit_bias or {}:
+            if token >= vocab:
+                raise ValueError(f"logit_bias: token id {token} is outside the vocabulary [0, {vocab})")
+        if not self.bad_words:
+            return self
+        words: list[tuple[int, ...]] = []
+        for word in self.bad_words:
+            # as the word starts the output and as it follows a space: BPE vocabularies spell them apart
+            for text in (word.strip(), " " + word.strip()):
+                ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in words:
+                    words.append(ids)
+        return replace(self, bad_words_token_ids=tuple(words))
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Any of the penalties that read the token history."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
+
+    def processes_logits(self, num_output_tokens: int) -> bool:
+        """Whether the next token's logits change before sampling (``tandem.runner.penalties``);
+        ``min_p`` does not count: it only narrows a random draw."""
+        return (self.uses_penalties or bool(self.logit_bias) or bool(self.bad_words_token_ids)
+                or num_output_tokens < self.min_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -92,6 +179,19 @@ sets the engine's own targets (its scheduler flags of the same names), not these
 
 CLI_DEFAULTS: dict[str, Any] = {"max_tokens": 64, "temperature": 0.0}
 """``tandem generate``'s defaults where they differ from the fields' own."""
+
+
+def _parse_bias_pairs(pairs: Sequence[str]) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for pair in pairs:
+        token, sep, bias = str(pair).partition("=")
+        try:
+            out[int(token)] = float(bias)
+        except ValueError:
+            raise ValueError(f"logit_bias: expected TOKEN_ID=BIAS, got {pair!r}") from None
+        if not sep:
+            raise ValueError(f"logit_bias: expected TOKEN_ID=BIAS, got {pair!r}")
+    return out
 
 
 def _is_int(value: object) -> bool:

@@ -140,6 +140,8 @@ class Scheduler:
                 is_decode=p.num_tokens == 1 and samples and request.num_output_tokens > 0,
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_recomputed_tokens=request.recomputed_in(p.start, end),
+                prompt_token_ids=tuple(request.prompt_token_ids) if samples and not request.output_token_ids
+                and request.params.repetition_penalty != 1 else None,
             ))
             self._in_flight[request.request_id] = request
         finished, self._finished_since_step = self._finished_since_step, []

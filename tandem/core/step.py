@@ -58,6 +58,9 @@ class ScheduledChunk:
     """Prompt length of the request: positions below it are prompt, the rest output."""
     num_recomputed_tokens: int = 0
     """Of these tokens, how many had their KV computed before (a preempted request's recompute)."""
+    prompt_token_ids: tuple[int, ...] | None = None
+    """The whole prompt, sent with a request's first sampling chunk where its sampling reads the
+    prompt (``repetition_penalty``): with a prefix cache the runner never sees a cached prefix."""
 
     @property
     def num_tokens(self) -> int:

@@ -32,6 +32,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         seed: int = 0,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.model = model
         self.layout = layout
@@ -44,7 +45,7 @@ class ModelRunner:
             dtype=dtype, device=device,
         )
         self.sliding_window = spec.sliding_window if any(spec.is_sliding(i) for i in range(spec.num_layers)) else None
-        self.sampler = Sampler(device, seed, model.ops.argmax_rows)
+        self.sampler = Sampler(device, seed, model.ops.argmax_rows, eos_token_ids)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -80,8 +81,7 @@ class ModelRunner:
         sampled: dict[str, SampledToken] = {}
         if logits is not None:
             sampling = [c for c in out.chunks if c.samples]
-            request_ids = [c.request_id for c in sampling]
-            tokens, logprobs = self.sampler.sample(logits, request_ids, [c.sampling for c in sampling])
-            for rid, tok, lp in zip(request_ids, tokens, logprobs):
-                sampled[rid] = SampledToken(tok, lp)
+            tokens, logprobs = self.sampler.sample(logits, sampling)
+            for chunk, tok, lp in zip(sampling, tokens, logprobs):
+                sampled[chunk.request_id] = SampledToken(tok, lp)
         return RunnerOutput(sampled=sampled, forward_seconds=model_seconds)

@@ -10,18 +10,26 @@ Nothing one request asks for can make ``sample`` raise for the batch: any 64-bit
 (signed seeds as their two's complement, as torch does), ``top_k`` and ``logprobs`` are capped
 at the vocabulary and ``top_p`` always keeps the most likely token. Every generator a step needs
 is made before any noise is drawn, so a step that fails (and is retried by the engine without
-its culprit) has advanced no request's generator.
+its culprit) has advanced no request's generator, and its tokens reach no request's history
+(``penalties.TokenHistory``) before every row is drawn.
+
+Rows that ask for logit processing (``penalties.py``) are processed apart and put back; every
+other row is sampled from its logits exactly as if no such row shared the step. ``min_p`` narrows
+a random row's draw after temperature, as vLLM does; it changes no greedy choice. The logprobs
+returned are those of the unprocessed logits (vLLM's default ``raw_logprobs``).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from tandem.core.request import TokenLogprob
 from tandem.core.sampling_params import SamplingParams
+from tandem.core.step import ScheduledChunk
 from tandem.ops.reference import argmax_rows
+from tandem.runner import penalties
 
 
 _SEED_MASK = (1 << 64) - 1
@@ -29,16 +37,21 @@ _SEED_MASK = (1 << 64) - 1
 
 class Sampler:
     def __init__(self, device: torch.device, default_seed: int,
-                 argmax: Callable[[torch.Tensor], torch.Tensor] = argmax_rows) -> None:
-        """``argmax``: the op table's row argmax (``OpTable.argmax_rows``)."""
+                 argmax: Callable[[torch.Tensor], torch.Tensor] = argmax_rows,
+                 eos_token_ids: Sequence[int] = ()) -> None:
+        """``argmax``: the op table's row argmax (``OpTable.argmax_rows``); ``eos_token_ids``: what
+        ``min_tokens`` masks besides a request's stop_token_ids."""
         self.device = device
         self._argmax = argmax
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.history = penalties.TokenHistory(device)
         self._generators: dict[str, torch.Generator] = {}
         self._default = torch.Generator(device=device)
         self._default.manual_seed(default_seed)
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self.history.forget(request_id)
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         if params.seed is None:
@@ -51,18 +64,23 @@ class Sampler:
         return gen
 
     def sample(
-        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+        self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]
     ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """``logits``: float32 [n, vocab] -> one token id (and optional logprobs) per row."""
+        """``logits``: float32 [n, vocab], one row per sampling chunk -> one token id (and
+        optional logprobs) per row."""
         n, vocab = logits.shape
-        chosen = self._argmax(logits)
+        request_ids = [c.request_id for c in chunks]
+        params = [c.sampling for c in chunks]
+        work = self._processed(logits, chunks)
+        chosen = self._argmax(work)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             idx = torch.tensor(random_rows, device=logits.device)
-            rows = logits[idx]
+            rows = work[idx]
             temps = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
+            rows = _filter_min_p(rows / temps[:, None], [params[i].min_p for i in random_rows])
             rows = _filter_top_k_top_p(
-                rows / temps[:, None],
+                rows,
                 [params[i].top_k for i in random_rows],
                 [params[i].top_p for i in random_rows],
             )
@@ -85,7 +103,30 @@ class Sampler:
                 if kk:
                     top = list(zip(top_i[j, :kk].tolist(), top_v[j, :kk].tolist()))
                 logprobs[i] = TokenLogprob(token_ids[i], float(lp[j, token_ids[i]]), top)
+        self.history.record(request_ids, token_ids)
         return token_ids, logprobs
+
+    def _processed(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """``logits`` with the rows that ask for processing replaced by their processed logits."""
+        num_output = [c.end - c.num_prompt_tokens for c in chunks]
+        rows = [i for i, c in enumerate(chunks) if c.sampling.processes_logits(num_output[i])]
+        if not rows:
+            return logits
+        histories = [self.history.prepare(chunks[i]) if penalties.needs_history(chunks[i].sampling) else None
+                     for i in rows]
+        idx = torch.tensor(rows, device=logits.device)
+        done = penalties.process(logits[idx], [chunks[i].sampling for i in rows], [num_output[i] for i in rows],
+                                 histories, self.eos_token_ids)
+        return logits.index_copy(0, idx, done)
+
+
+def _filter_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Mask what is less likely than ``min_p`` times the row's most likely token."""
+    if not any(min_p):
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    floor = torch.tensor(min_p, device=logits.device, dtype=logits.dtype)[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < floor, float("-inf"))
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

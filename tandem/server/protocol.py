@@ -2,7 +2,12 @@
 error shape ``{"error": {"message", "type", "param", "code"}}``.
 
 Strict but for one thing: an integer field takes an integral float (``4.0``), as vLLM does;
-``4.5`` is refused. ``seed`` takes the signed 64-bit range, as vLLM does."""
+``4.5`` is refused. ``seed`` takes the signed 64-bit range, as vLLM does. A field no model declares
+is refused (400 naming it), as OpenAI refuses unknown parameters; fields known elsewhere but not
+served here are refused with the reason (``unsupported.py``).
+
+Longer than 300 lines: the request bodies and the error shape they raise are read together; the
+errors would move to their own module if another one needed them without the bodies."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from typing import Annotated, Any, Iterator, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from tandem.core.sampling_params import SamplingParams
+from tandem.server.unsupported import RefusedFields, unsupported_field
 
 SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
 """The seeds a request may give; a choice ``j`` of ``n`` is seeded ``seed + j``, which the
@@ -21,6 +27,7 @@ USER_HEADER = "X-Tandem-User"
 """Names the request's user (fair sharing's tenant) instead of the body's ``user``; it wins over
 the body, since a gateway in front of the server sets it from the credentials it checked."""
 MAX_USER_CHARS = 256
+MAX_CACHE_SALT_CHARS = 256
 
 
 class APIError(Exception):
@@ -87,15 +94,12 @@ def renamed(exc: APIError, names: dict[str, str]) -> APIError:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     include_usage: bool = False
 
 
-MAX_CACHE_SALT_CHARS = 256
-
-
-class _Common(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class _Common(RefusedFields):  # type: ignore[misc, valid-type]
+    model_config = ConfigDict(strict=True, extra="forbid")
     model: str | None = None
     max_tokens: Int | None = None
     temperature: float | None = None
@@ -108,8 +112,16 @@ class _Common(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, description=(
+        "token id (a decimal string) -> bias in [-100, 100] added to its logit; at most 300 entries"))
+    metadata: dict[str, str] | None = Field(default=None, description="accepted with no effect: nothing is stored")
     # extensions
     top_k: Int | None = None
+    repetition_penalty: float | None = None
+    min_tokens: Int = 0
+    min_p: float | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     priority: Int = 0
     stop_token_ids: list[Int] | None = None
@@ -137,19 +149,26 @@ class _Common(BaseModel):
         replaces the default ``max_tokens`` where the route's default differs (chat)."""
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise bad_request(f"seed: must be an integer in [-2**63, 2**63 - 1], got {self.seed}", "seed")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise bad_request(f"{name}: not supported by this server (only 0)", name)
+        refused = unsupported_field(self)
+        if refused is not None:
+            raise bad_request(refused[1], refused[0])
         if not 1 <= self.n <= 16:
             raise bad_request(f"n: must be between 1 and 16, got {self.n}", "n")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > 16:
             raise bad_request("stop: at most 16 stop strings", "stop")
+        if max_tokens is not None and 0 < max_tokens < self.min_tokens:
+            raise bad_request(f"min_tokens: must not exceed max_tokens ({max_tokens}), got {self.min_tokens}",
+                              "min_tokens")
         given = {
             "max_tokens": default_max if max_tokens is None else max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "min_p": self.min_p,
         }
         try:
             return SamplingParams(
@@ -161,9 +180,25 @@ class _Common(BaseModel):
                 logprobs=logprobs,
                 target_itl_ms=self.target_itl_ms,
                 target_ttft_ms=self.target_ttft_ms,
+                logit_bias=_token_keys(self.logit_bias),
+                min_tokens=self.min_tokens,
+                bad_words=self.bad_words or (),
+                include_stop_str_in_output=self.include_stop_str_in_output,
             )
         except ValueError as exc:
             raise from_value_error(exc) from None
+
+
+def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """JSON's string keys as token ids ("42" -> 42)."""
+    if bias is None:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 12:
+            raise bad_request(f"logit_bias: keys must be token ids (decimal integers), got {key[:32]!r}", "logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def check_user(value: str, what: str) -> str:
@@ -197,13 +232,13 @@ class CompletionRequest(_Common):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -249,7 +284,7 @@ class ChatCompletionRequest(_Common):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -257,7 +292,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     model: str | None = None
     tokens: list[Int] = Field(default_factory=list)
 
@@ -268,7 +303,9 @@ def validate(model: type[BaseModel], data: Any) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
+        errors = exc.errors()
+        # an unknown field is named even where a union's other branch failed first
+        err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
         # keep field names and list indexes; drop pydantic's union-branch tags such as 'str'
         parts: list[str] = []
         for x in err["loc"]:
@@ -279,6 +316,8 @@ def validate(model: type[BaseModel], data: Any) -> Any:
             else:
                 parts.append(("." if parts else "") + str(x))
         param = "".join(parts) or None
+        if err["type"] == "extra_forbidden":
+            raise bad_request(f"{param}: unknown parameter; this server does not support it", param) from None
         raise bad_request(f"{param}: {err['msg']}" if param else err["msg"], param) from None
 
 
