@@ -26,6 +26,8 @@ class RequestResult:
     error: str | None = None
     prompt_tokens: int | None = None
     output_tokens: int = 0
+    cached_tokens: int | None = None
+    """Prompt tokens the server served from its prefix cache (``usage.prompt_tokens_details``), if it says."""
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
     user: str = ""
@@ -120,6 +122,9 @@ async def send(client: httpx.AsyncClient, url: str, req: BenchRequest, body: dic
                 if usage:
                     res.prompt_tokens = usage.get("prompt_tokens")
                     res.output_tokens = usage.get("completion_tokens") or 0
+                    details = usage.get("prompt_tokens_details")
+                    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                        res.cached_tokens = details["cached_tokens"]
         res.finish_time = clock()
         res.output_tokens = res.output_tokens or chunks
         res.success = chunks > 0

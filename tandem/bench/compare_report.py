@@ -30,8 +30,9 @@ def _f(v, digits=1) -> str:
 
 def table(evaluations: list[Evaluation]) -> str:
     lines = ["| configuration | output tok/s | total tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | "
-             "stall p99 (ms) | goodput (req/s) | MFU / MBU | preemptions | recomputed tokens |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "stall p99 (ms) | goodput (req/s) | MFU / MBU | preemptions | recomputed tokens | "
+             "prefill computed / cached (tokens) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in evaluations:
         r = row(e)
         util = f"{_f(100 * r['mfu'])}% / {_f(100 * r['mbu'])}%" if r["mfu"] is not None else "n/a"
@@ -39,7 +40,7 @@ def table(evaluations: list[Evaluation]) -> str:
             f"| {r['config']} | {_f(r['output_throughput'])} | {_f(r['total_token_throughput'])} | "
             f"{_f(r['median_ttft_ms'], 0)} / {_f(r['p99_ttft_ms'], 0)} | {_f(r['median_itl_ms'], 0)} / "
             f"{_f(r['p99_itl_ms'], 0)} | {_f(r['p99_stall_ms'], 0)} | {_f(r['request_goodput'], 3)} | {util} | "
-            f"{r['preemptions']} | {r['recomputed_tokens']:,} |")
+            f"{r['preemptions']} | {r['recomputed_tokens']:,} | {r['prefill_tokens']:,} / {r['cached_tokens']:,} |")
     return "\n".join(lines)
 
 

@@ -13,6 +13,9 @@ from tandem.config import _help
 BACKENDS = ("openai", "openai-chat", "inprocess")
 
 
+SCENARIO_NAMES = tuple(SCENARIOS)
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     backend: str = field(default="openai", metadata=_help(
@@ -33,6 +36,9 @@ class BenchConfig:
         "a workload YAML/JSON file (dataset, classes, arrivals); when given, it replaces the dataset, "
         "length and arrival flags"))
     save_workload: str | None = field(default=None, metadata=_help("write the effective workload to this file"))
+    scenario: str | None = field(default=None, metadata=_help(
+        "send a built-in scenario of `tandem compare` (its requests at its send times) instead of the dataset, "
+        "length and arrival flags: " + ", ".join(SCENARIO_NAMES), choices=SCENARIO_NAMES))
     dataset_name: str = field(default="random", metadata=_help(
         " | ".join(DATASETS), choices=DATASETS))
     dataset_path: str | None = field(default=None, metadata=_help(
@@ -104,7 +110,6 @@ class BenchConfig:
         return [m for m in self.percentile_metrics.split(",") if m]
 
 
-SCENARIO_NAMES = tuple(SCENARIOS)
 
 
 @dataclass(frozen=True)

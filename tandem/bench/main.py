@@ -21,6 +21,7 @@ from tandem.bench.report import save_figure, write_report
 from tandem.bench.replay import RunData, run_inprocess, run_openai
 from tandem.bench.summary import counter_delta, parse_goodput, per_class, per_user, summarize_run
 from tandem.bench.prompts import PlainTokenizer, build_requests
+from tandem.bench.scenarios import scenario_requests
 from tandem.bench.workload import ArrivalSpec, LengthDist, RequestClass, Workload
 from tandem.config import EngineConfig
 from tandem.kernels.cpu_features import cpu_model
@@ -133,15 +134,21 @@ def run_once(cfg: BenchConfig, w: Workload, engine_config: EngineConfig | None, 
         if paths:  # a tandem server says which paths it runs
             meta["paths"] = paths
     meta["load_generator_cpu"] = cpu_model()
-    requests = build_requests(w, tok)
-    if w.dataset == "trace":
-        offsets = [r.arrival_s or 0.0 for r in requests]
+    arrival = w.arrival
+    if cfg.scenario:
+        requests, offsets, _, description, _ = scenario_requests(cfg.scenario, None, tok, cfg.seed)
+        meta["workload_line"] = f"scenario {cfg.scenario}: {description}"
+        arrival = ArrivalSpec(request_rate=math.inf)  # the scenario's own send times
     else:
-        offsets = arrival_offsets(w.arrival, len(requests), w.seed)
+        requests = build_requests(w, tok)
+        if w.dataset == "trace":
+            offsets = [r.arrival_s or 0.0 for r in requests]
+        else:
+            offsets = arrival_offsets(w.arrival, len(requests), w.seed)
     recomputed_before = engine.scheduler.num_recomputed_tokens if engine is not None else 0
     with RunProgress(len(requests), meta["label"]) as progress:
         if cfg.backend == "inprocess":
-            data = run_inprocess(engine, requests, offsets, w.arrival, cfg.ignore_eos, cfg.max_duration, progress)
+            data = run_inprocess(engine, requests, offsets, arrival, cfg.ignore_eos, cfg.max_duration, progress)
         else:
             endpoint = cfg.endpoint or ("/v1/chat/completions" if cfg.backend == "openai-chat" else "/v1/completions")
             model = cfg.model
@@ -150,7 +157,7 @@ def run_once(cfg: BenchConfig, w: Workload, engine_config: EngineConfig | None, 
                 data_ = models.get("data") if isinstance(models, dict) else None
                 model = data_[0]["id"] if data_ else None
             meta["model"] = model
-            data = asyncio.run(run_openai(requests, offsets, w.arrival, cfg.base_url, endpoint, model, cfg.ignore_eos,
+            data = asyncio.run(run_openai(requests, offsets, arrival, cfg.base_url, endpoint, model, cfg.ignore_eos,
                                           headers, cfg.timeout, cfg.max_duration, cfg.scrape_interval, progress))
     slos = parse_goodput(cfg.goodput)
     summary = summarize_run(data.results, data.duration, cfg.percentiles, cfg.metrics, slos)
@@ -159,6 +166,10 @@ def run_once(cfg: BenchConfig, w: Workload, engine_config: EngineConfig | None, 
                   else counter_delta(data.samples, "recomputed_tokens"))
     if recomputed is not None:
         summary["recomputed_tokens"] = recomputed
+    if cfg.backend != "inprocess":  # what the server's /metrics counted, next to what its responses said
+        queries, hits = (counter_delta(data.samples, k) for k in ("prefix_cache_queries", "prefix_cache_hits"))
+        if queries:
+            summary["prefix_cache_hit_rate"] = hits / queries
     users = per_user(data.results, data.duration, cfg.percentiles, cfg.metrics, slos)
     if users:
         meta["per_user"] = users

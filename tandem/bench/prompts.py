@@ -53,7 +53,7 @@ class BenchRequest:
 
 # --- building the requests ---------------------------------------------------------------------
 
-_CORPUS = Path(__file__).parent / "data" / "corpus.txt"
+CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 
 
 def _sharegpt_prompts(path: str) -> list[str]:
@@ -68,7 +68,7 @@ def _sharegpt_prompts(path: str) -> list[str]:
     return prompts
 
 
-class _TextPool:
+class TextPool:
     """Token stream of real text to cut prompts of exact token lengths from."""
 
     def __init__(self, tokenizer: Tokenizer, texts: list[str]) -> None:
@@ -109,8 +109,8 @@ def build_requests(w: Workload, tokenizer: Tokenizer) -> list[BenchRequest]:
             text = prompts[i % len(prompts)]
             reqs.append(BenchRequest(i, "sharegpt", text, len(tokenizer.encode(text)), out_dist.sample(rng)))
         return reqs
-    texts = _sharegpt_prompts(w.dataset_path) if w.dataset_path else [_CORPUS.read_text()]
-    pool = _TextPool(tokenizer, texts)
+    texts = _sharegpt_prompts(w.dataset_path) if w.dataset_path else [CORPUS.read_text()]
+    pool = TextPool(tokenizer, texts)
     shares = [c.share for c in w.classes]
     prefixes = {c.name: pool.take(rng, c.prefix_len) if c.prefix_len else "" for c in w.classes}
     reqs = []
@@ -130,7 +130,7 @@ def build_requests(w: Workload, tokenizer: Tokenizer) -> list[BenchRequest]:
 
 def _trace_requests(w: Workload, tokenizer: Tokenizer, rng: random.Random) -> list[BenchRequest]:
     """JSONL lines of {"timestamp": s, "input_len": n, "output_len": m[, "class": name][, "user": u]}."""
-    pool = _TextPool(tokenizer, [_CORPUS.read_text()])
+    pool = TextPool(tokenizer, [CORPUS.read_text()])
     rows = []
     for lineno, line in enumerate(Path(w.dataset_path).read_text().splitlines(), 1):  # type: ignore[arg-type]
         if not line.strip():

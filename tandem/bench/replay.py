@@ -31,6 +31,8 @@ SCRAPED = {
     "mbu": ("tandem:memory_bandwidth_utilization",),
     "busy": ("tandem:engine_busy_fraction",),
     "recomputed_tokens": ("tandem:recomputed_tokens_total",),  # a counter: a run reads its delta
+    "prefix_cache_queries": ("tandem:prefix_cache_queries_total", "vllm:prefix_cache_queries_total"),  # counters
+    "prefix_cache_hits": ("tandem:prefix_cache_hits_total", "vllm:prefix_cache_hits_total"),
 }
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
@@ -210,6 +212,7 @@ def run_inprocess(
             res = results[i]
             t = out.timing
             res.prompt_tokens = len(out.prompt_token_ids)
+            res.cached_tokens = out.num_cached_tokens
             res.output_tokens = len(out.token_ids)
             res.token_times = [x - clock0 for x in t.token_times]
             res.finish_time = (t.finish or engine.clock()) - clock0

@@ -132,9 +132,11 @@ def markdown(summary: dict, classes: dict[str, dict], meta: dict) -> str:
     lines.append("")
     lines += ["| metric | value |", "|---|---|"]
     order = ["completed", "failed", "duration", "request_throughput", "output_throughput", "total_token_throughput",
-             "request_goodput", "recomputed_tokens"]
+             "request_goodput", "recomputed_tokens", "cached_prompt_tokens", "cached_prompt_fraction",
+             "prefix_cache_hit_rate"]
     units = {"duration": " s", "request_throughput": " req/s", "output_throughput": " tok/s",
-             "total_token_throughput": " tok/s", "request_goodput": " req/s"}
+             "total_token_throughput": " tok/s", "request_goodput": " req/s", "recomputed_tokens": " tokens",
+             "cached_prompt_tokens": " tokens"}
     for k in order:
         if k in summary:
             lines.append(f"| {k} | {_fmt(summary[k])}{units.get(k, '')} |")

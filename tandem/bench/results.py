@@ -18,6 +18,8 @@ def row(ev: Evaluation) -> dict:
         "p99_stall_ms": s["p99_stall_ms"], "request_goodput": s.get("request_goodput"),
         "mfu": ev.mfu, "mbu": ev.mbu, "preemptions": ev.preemptions,
         "recomputed_tokens": sum(s.num_recomputed_tokens for s in ev.steps),
+        "prefill_tokens": sum(s.num_prefill_tokens for s in ev.steps),
+        "cached_tokens": sum(s.num_cached_tokens for s in ev.steps),
         "steps": len(ev.steps),
     }
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tandem.bench.arrivals import arrival_offsets
+from tandem.bench.conversations import multi_turn_chats, shared_system_prompt
 from tandem.bench.prompts import BenchRequest, build_requests
 from tandem.bench.workload import ArrivalSpec, LengthDist, RequestClass, Workload
 
@@ -103,6 +104,24 @@ def _sharegpt_bursty(tok, seed: int):
     return reqs, arrival_offsets(w.arrival, len(reqs), seed)
 
 
+# The prefix cache against no cache, at three chunk sizes: what reusing prefixes does to TTFT and
+# to which budget is best.
+SHARED_PREFIX_CONFIGS = tuple(
+    f"{name}-{b}:policy=chunked,max_num_batched_tokens={b},enable_prefix_caching={on}"
+    for name, on in (("cache", "true"), ("no-cache", "false")) for b in (128, 512, 2048)
+)
+
+
+def _shared_prefix(tok, seed: int):
+    system = shared_system_prompt(tok, seed, n=24, system_len=1024, question_len=(24, 48), output_len=32)
+    chats = multi_turn_chats(tok, seed + 1, chats=4, turns=4, opening_len=192, question_len=32, answer_len=64,
+                             start=len(system))
+    # a question every second; the chats start between them and take a turn every 6 s
+    offsets = [1.0 * i for i in range(len(system))]
+    offsets += [0.5 + 1.5 * c + 6.0 * t for c in range(len(chats)) for t in range(len(chats[c]))]
+    return _joined(system, *chats), offsets
+
+
 SCENARIOS = {s.name: s for s in (
     Scenario("equal", "equal-size requests at high concurrency",
              "24 equal requests (256 prompt / 64 output tokens) arriving at once: the case where chunked "
@@ -125,6 +144,11 @@ SCENARIOS = {s.name: s for s in (
              f"{ITL_TARGET_MS}) and fixed chunked budgets of 32 to 512 tokens: which configurations keep ITL "
              f"p99 within the target, and at what TTFT p99", None, configs=ITL_TARGET_CONFIGS,
              loads=("sharegpt-bursty", "long-prompts")),
+    Scenario("shared-prefix", "a shared system prompt and multi-turn chats, with and without the prefix cache",
+             "24 questions (24-48 tokens, 32 output) behind one 1024-token system prompt, one a second, and 4 chats "
+             "of 4 turns that resend their history (192-token opening, then 64-token answers and 32-token "
+             "questions; a turn every 6 s): the prefix cache on and off at chunk sizes 128, 512 and 2048",
+             _shared_prefix, configs=SHARED_PREFIX_CONFIGS),
 )}
 
 

@@ -69,6 +69,10 @@ def summarize_run(results: list[RequestResult], duration: float, percentiles: Se
         "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
     }
+    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+    if cached:  # the server reports its prefix-cache use per response
+        out["cached_prompt_tokens"] = sum(cached)
+        out["cached_prompt_fraction"] = sum(cached) / max(input_tokens, 1)
     if slos:
         good = sum(1 for r in ok if meets(r, slos))
         out["request_goodput"] = good / duration

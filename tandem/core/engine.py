@@ -259,6 +259,7 @@ class Engine:
             num_seqs=len(out.chunks),
             kv_blocks_used=self.allocator.num_used_blocks,
             kv_blocks_total=self.allocator.num_blocks,
+            kv_blocks_cached=self.allocator.num_cached_blocks,
             num_preempted=len(out.preempted_ids),
             num_waiting=self.num_waiting,
             num_running=self.num_running,

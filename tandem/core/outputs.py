@@ -38,6 +38,8 @@ class StepStats:
     num_running: int
     error: str | None = None
     chunks: tuple[ChunkStat, ...] = ()
+    kv_blocks_cached: int = 0
+    """Blocks holding a reusable prefix block (held or evictable) after the step."""
     num_recomputed_tokens: int = 0
     """Of ``num_prefill_tokens``, those recomputed after a preemption rather than prefilled first-time."""
     num_cache_queries: int = 0

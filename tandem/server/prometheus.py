@@ -135,7 +135,7 @@ class ServerMetrics:
         if s.num_cache_queries:
             self.cache_queries.labels(lm).inc(s.num_cache_queries)
             self.cache_hits.labels(lm).inc(s.num_cached_tokens)
-        self.cached_blocks.labels(lm).set(engine.allocator.num_cached_blocks)
+        self.cached_blocks.labels(lm).set(s.kv_blocks_cached)
         counters = getattr(engine.scheduler.fairness, "counters", None)
         idle = not (engine.num_running or engine.num_waiting)  # the counters stay as they are now
         if counters is not None and (idle or s.start - self._vtc_at >= VTC_SNAPSHOT_S):
