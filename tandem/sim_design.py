@@ -30,18 +30,22 @@ def design(kv_positions: int, max_len: int, max_batch: int = 64, max_chunk: int 
         if all(s + n <= max_len for s, n in spans) and used <= kv_positions:
             shapes.append(spans)
 
+    # a small model's short context still gets two context lengths; a small batch limit its own batch
+    contexts = sorted({min(c, max_len // 2) for c in CONTEXTS} | {min(CONTEXTS[0], max_len // 4)})
+    batches = sorted({b for b in DECODE_BATCHES if b <= max_batch} | {max_batch})
     for n in PREFILL_SIZES:
         if n <= max_chunk:
             keep([(0, n)])
-    for ctx in CONTEXTS:
-        for b in DECODE_BATCHES:
-            if b <= max_batch:
-                keep([(ctx, 1)] * b)
-        keep([(ctx, 256)])  # a chunk behind a long prompt: attention pairs grow with the context
-    for b in DECODE_BATCHES[1:]:
+    for ctx in contexts:
+        for b in batches:
+            keep([(ctx, 1)] * b)
+        for n in (256, 1024):  # chunks behind a long prompt: attention pairs grow with the context
+            if n <= max_chunk:
+                keep([(ctx, n)])
+    for b in batches[1:]:
         for n in (64, 512):
-            if b <= max_batch and n <= max_chunk:
-                keep([(512, 1)] * b + [(0, n)])
+            if n <= max_chunk:
+                keep([(min(512, max_len // 2), 1)] * b + [(0, n)])
     return shapes
 
 
