@@ -43,10 +43,12 @@ def requests(n: int, input_len: int, output_len: int, vocab: int, seed: int) -> 
                          output_len) for i in range(n)]
 
 
-def run_point(evaluator: SimEvaluator, overrides: dict, input_len: int, output_len: int, concurrency: int,
-              waves: int, seed: int) -> dict:
-    n = max(16, waves * concurrency)
-    reqs = requests(n, input_len, output_len, evaluator.profile.vocab_size, seed)
+def run_point(evaluator, overrides: dict, input_len: int, output_len: int, concurrency: int,
+              waves: int, seed: int, vocab: int, min_requests: int = 16) -> dict:
+    """``evaluator``: anything whose ``engine(overrides)`` gives an engine (a simulator, or the
+    real engine over a loaded model); prompts are ``t<id>`` words the SimTokenizer reads as ids."""
+    n = max(min_requests, waves * concurrency)
+    reqs = requests(n, input_len, output_len, vocab, seed)
     engine = evaluator.engine(overrides)
     data = run_inprocess(engine, reqs, [0.0] * n, ArrivalSpec(max_concurrency=concurrency), True, 1e6)
     s = summarize_run(data.results, data.duration, [50, 99], ("ttft", "itl"))
@@ -78,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     for input_len in lens:
         for name, overrides in CONFIGS.items():
             for c in levels:
-                point = run_point(evaluator, overrides, input_len, args.output_len, c, args.waves, args.seed)
+                point = run_point(evaluator, overrides, input_len, args.output_len, c, args.waves, args.seed,
+                                  profile.vocab_size)
                 results.setdefault(str(input_len), {}).setdefault(name, {})[str(c)] = point
                 print(f"{input_len} {name} c={c}: {point['total_token_throughput']:,.0f} tok/s", file=sys.stderr)
     out = Path(args.out)

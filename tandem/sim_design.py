@@ -14,7 +14,8 @@ from tandem.core.step_time import Observation, StepCost, features, fit
 Spans = list[tuple[int, int]]
 """One step: (start position, tokens) per sequence."""
 
-PREFILL_SIZES = (16, 64, 256, 1024, 2048)
+PREFILL_SIZES = (16, 64, 256, 1024, 2048, 4096, 8192)
+"""Those above ``max_chunk`` are left out (a CPU calibrates up to 2048 by default)."""
 DECODE_BATCHES = (1, 4, 16, 64)
 CONTEXTS = (128, 1024, 4096)
 

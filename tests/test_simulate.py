@@ -207,3 +207,27 @@ def test_tune_simulate_confirms_the_leaders_on_another_engine(tmp_path):
     md = (tmp_path / "tune" / "tune.md").read_text()
     assert "(simulated search)" in md and "Confirmed on the real engine" in md
     assert out["confirmed"]["command"].startswith("tandem serve --policy chunked")
+
+
+def test_accuracy_rows_pair_configurations_by_load(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "sim_accuracy", Path(__file__).parents[1] / "benchmarks" / "sim_accuracy.py")
+    acc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(acc)
+    from tandem.bench.compare import run_compare
+
+    runs = []
+    for scale in (1, 2):  # "real" is a simulator whose steps cost twice the predicted ones
+        d = json.loads(json.dumps(MEASURED))
+        for part in ("forward", "overhead"):
+            d[part] = {k: scale * v for k, v in d[part].items()}
+        runs.append(run_compare("equal", None, ["policy=chunked,max_num_batched_tokens=512"], EngineConfig(),
+                                str(tmp_path / str(scale)), evaluator=SimEvaluator(profile_from_dict(d))))
+    rows = acc.compare_rows("equal", runs[1], runs[0])
+    assert [r["config"] for r in rows] == ["chunked chunk=512"]
+    assert rows[0]["output_throughput"]["error"] == pytest.approx(1.0, rel=0.02)
+    assert rows[0]["p99_itl_ms"]["error"] == pytest.approx(-0.5, rel=0.02)
+    assert "Median |error|" in acc.markdown(rows, {"profile": "p", "command": "c"})
