@@ -231,3 +231,13 @@ def test_accuracy_rows_pair_configurations_by_load(tmp_path):
     assert rows[0]["output_throughput"]["error"] == pytest.approx(1.0, rel=0.02)
     assert rows[0]["p99_itl_ms"]["error"] == pytest.approx(-0.5, rel=0.02)
     assert "Median |error|" in acc.markdown(rows, {"profile": "p", "command": "c"})
+
+
+def test_profiles_and_the_simulate_command_load_without_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, tandem.sim_profile, tandem.sim_roofline, tandem.sim_design, tandem.bench.simulate\n"
+            "print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
