@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig.from_kwargs(device=args.device, dtype="bfloat16", kv_cache_memory_gib=args.kv_gib,
                                       max_num_seqs=256)
     print(f"model ready on {gpu} after {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    run_calibrate(CalibrateConfig(output=str(out / "profile.json"), repeats=3, max_chunk=min(8192, max_len // 2), max_batch=64,
+    run_calibrate(CalibrateConfig(output=str(out / "profile.json"), repeats=3, max_chunk=min(8192, loaded.max_model_len), max_batch=64,
                                   overhead_requests=16), config, loaded=loaded)
     print(f"calibrated after {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     evaluators = {"measured": RealEvaluator(config, loaded),

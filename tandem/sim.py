@@ -90,12 +90,13 @@ class SimTokenizer:
 def sim_engine(config: SchedulerConfig, cost: Cost, num_kv_blocks: int = 4096, block_size: int = 16,
                max_model_len: int = 16384, overhead: Cost | None = None, prior: StepCost | None = None,
                vocab_size: int = 1000) -> Engine:
-    """``prior``: the step-time model's start-up estimate; default ``cost`` itself when it is a
-    StepCost (what a perfect start-up estimate gives)."""
+    """``prior``: the step-time model's start-up estimate; by default the true cost of a step
+    (what a perfect start-up estimate gives), which needs ``cost`` and ``overhead`` to be StepCosts."""
     clock = VirtualClock()
     if prior is None:
-        if not isinstance(cost, StepCost):
+        parts = [c for c in (cost, overhead) if c is not None]
+        if not all(isinstance(c, StepCost) for c in parts):
             raise ValueError("prior: a cost that is not a StepCost needs a StepCost prior for the step-time model")
-        prior = cost if overhead is None else StepCost(*(a + b for a, b in zip(cost.vector(), overhead.vector())))  # type: ignore[attr-defined]
+        prior = StepCost(*(sum(v) for v in zip(*(c.vector() for c in parts))))  # type: ignore[attr-defined]
     return Engine(config, SimRunner(clock, cost, vocab_size, overhead), SimTokenizer(vocab_size),
                   KVLayout(num_kv_blocks, block_size), max_model_len, clock=clock, step_prior=prior)
