@@ -227,6 +227,9 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     print(f"wrote {cfg.output}: forward {profile['forward']}, overhead {profile['overhead']}; fit over "
           f"{fit['steps']} steps, median |error| {100 * fit['median_abs_error']:.1f}%, "
           f"worst {100 * fit['max_abs_error']:.1f}%")
+    if fit["median_abs_error"] > 0.2:
+        print("tandem calibrate: warning: the step-time model fits the timed steps poorly; a busy machine "
+              "(or nice) makes step times jump, so calibrate on a quiet one", file=sys.stderr)
     return 0
 
 
