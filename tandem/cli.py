@@ -171,6 +171,30 @@ def _compare_parser(sub) -> None:
     add_engine_args(t, skip=("seed",))
 
 
+def _simulate_parser(sub) -> None:
+    from tandem.bench.config import CalibrateConfig, SimulateConfig
+    from tandem.config import SchedulerConfig
+
+    p = _command(
+        sub,
+        "simulate",
+        help="run compare's workloads and report on the simulator, with a cost profile",
+        description="The real scheduler on a virtual clock, each step priced by a cost profile (measured by "
+        "`tandem calibrate`, or the roofline of a shipped device and model): compare's report in seconds.",
+    )
+    add_dataclass_args(p, SimulateConfig, "simulate options")
+    add_dataclass_args(p, SchedulerConfig, "scheduler options")
+    c = _command(
+        sub,
+        "calibrate",
+        help="time a designed set of steps on the real engine and write a measured cost profile",
+        description="Prompt chunks of several sizes, decode batches of several sizes and contexts, and mixed "
+        "steps, each timed several times; fits the step-time model and the engine's per-step overhead.",
+    )
+    add_dataclass_args(c, CalibrateConfig, "calibrate options")
+    add_engine_args(c)
+
+
 def _run_compare(args: argparse.Namespace) -> int:
     from tandem.bench.compare import run_compare
     from tandem.bench.config import CompareConfig
@@ -180,6 +204,34 @@ def _run_compare(args: argparse.Namespace) -> int:
     out = run_compare(None if cfg.workload else cfg.scenario, cfg.workload, list(cfg.configs), base,
                       cfg.result_dir, list(cfg.goodput), cfg.seed, cfg.max_duration)
     return _print_report(Path(cfg.result_dir, "compare.md"), out["paths"])
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    from tandem.bench.config import SimulateConfig
+    from tandem.bench.simulate import run_simulate
+    from tandem.config import SchedulerConfig
+
+    cfg = dataclass_from_args(SimulateConfig, args)
+    scheduler = dataclass_from_args(SchedulerConfig, args)
+    scheduler.validate()
+    out = run_simulate(cfg, scheduler)
+    return _print_report(Path(cfg.result_dir, "compare.md"), out["paths"])
+
+
+def _run_calibrate(args: argparse.Namespace) -> int:
+    from tandem.bench.calibrate import run_calibrate
+    from tandem.bench.config import CalibrateConfig
+
+    cfg = dataclass_from_args(CalibrateConfig, args)
+    profile = run_calibrate(cfg, engine_config_from_args(args))
+    fit = profile["fit"]
+    print(f"wrote {cfg.output}: forward {profile['forward']}, overhead {profile['overhead']}; fit over "
+          f"{fit['steps']} steps, median |error| {100 * fit['median_abs_error']:.1f}%, "
+          f"worst {100 * fit['max_abs_error']:.1f}%")
+    if fit["median_abs_error"] > 0.2:
+        print("tandem calibrate: warning: the step-time model fits the timed steps poorly; a busy machine "
+              "(or nice) makes step times jump, so calibrate on a quiet one", file=sys.stderr)
+    return 0
 
 
 def _run_tune(args: argparse.Namespace) -> int:
@@ -200,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _bench_parser(sub)
     _compare_parser(sub)
+    _simulate_parser(sub)
     return parser
 
 
@@ -217,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
             return _run_compare(args)
         if args.command == "tune":
             return _run_tune(args)
+        if args.command == "simulate":
+            return _run_simulate(args)
+        if args.command == "calibrate":
+            return _run_calibrate(args)
     except ValueError as exc:
         print(f"tandem: error: {exc}", file=sys.stderr)
         return 2

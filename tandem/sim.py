@@ -1,9 +1,14 @@
 """A simulator: the real scheduling core on a virtual clock, with a runner whose step time is a
-formula instead of a forward pass. Used to test the tuner on cases whose answer is known, and to
-explore policies at scale without a model. No torch.
+cost model instead of a forward pass. `tandem simulate` runs compare's workloads through it with a
+cost profile (``tandem.sim_profile``); tests use it to check the tuner and the policies on cases
+whose answer is known. No torch.
 """
 
 from __future__ import annotations
+
+import re
+import zlib
+from typing import Protocol
 
 from tandem.config import SchedulerConfig
 from tandem.core.engine import Engine
@@ -13,6 +18,10 @@ from tandem.core.step import KVLayout, RunnerOutput, SampledToken, SchedulerOutp
 from tandem.core.step_time import StepCost
 
 __all__ = ["StepCost", "SimRunner", "SimTokenizer", "VirtualClock", "sim_engine"]
+
+
+class Cost(Protocol):
+    def seconds(self, out: SchedulerOutput) -> float: ...
 
 
 class VirtualClock:
@@ -30,37 +39,64 @@ class VirtualClock:
 
 
 class SimRunner:
-    """Advances the virtual clock by the step's cost and samples a token that is never EOS."""
+    """Advances the virtual clock by the step's cost and samples a token that is never EOS.
 
-    def __init__(self, clock: VirtualClock, cost: StepCost, vocab_size: int = 1000) -> None:
+    ``overhead``: the engine's time per step beyond the forward pass (scheduling, sampling,
+    detokenizing, the serving loop), on the clock but not in ``forward_seconds``, as on a real engine."""
+
+    def __init__(self, clock: VirtualClock, cost: Cost, vocab_size: int = 1000, overhead: Cost | None = None) -> None:
         self.clock = clock
         self.cost = cost
+        self.overhead = overhead
         self.vocab_size = vocab_size
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         seconds = self.cost.seconds(out)
-        self.clock.advance(seconds)
+        extra = self.overhead.seconds(out) if self.overhead is not None else 0.0
+        self.clock.advance(seconds + extra)
         sampled = {c.request_id: SampledToken(1 + (c.end % (self.vocab_size - 1)))
                    for c in out.chunks if c.samples}
         return RunnerOutput(sampled=sampled, forward_seconds=seconds)
 
 
-class SimTokenizer:
-    """One token per whitespace-separated word (ids hashed into the vocabulary)."""
+_ID_WORD = re.compile(r"t(\d+)\Z")
 
-    vocab_size = 1000
+
+class SimTokenizer:
+    """One token per whitespace-separated word. Ids are a stable hash of the word (the same text
+    gives the same ids in every process, so shared prefixes share ids and a seed reproduces a run),
+    and ``decode`` writes ``t<id>`` words that encode back to the same ids: prompts cut to exact
+    token lengths by the scenario builders keep their lengths."""
+
     eos_token_ids: tuple[int, ...] = (0,)
 
+    def __init__(self, vocab_size: int = 1000) -> None:
+        self.vocab_size = vocab_size
+
     def encode(self, text: str) -> list[int]:
-        return [1 + hash(w) % (self.vocab_size - 1) for w in text.split()]
+        out = []
+        for w in text.split():
+            m = _ID_WORD.match(w)
+            if m and 0 < int(m.group(1)) < self.vocab_size:
+                out.append(int(m.group(1)))
+            else:
+                out.append(1 + zlib.crc32(w.encode()) % (self.vocab_size - 1))
+        return out
 
     def decode(self, ids) -> str:
         return " ".join(f"t{i}" for i in ids)
 
 
-def sim_engine(config: SchedulerConfig, cost: StepCost, num_kv_blocks: int = 4096, block_size: int = 16,
-               max_model_len: int = 16384) -> Engine:
+def sim_engine(config: SchedulerConfig, cost: Cost, num_kv_blocks: int = 4096, block_size: int = 16,
+               max_model_len: int = 16384, overhead: Cost | None = None, prior: StepCost | None = None,
+               vocab_size: int = 1000) -> Engine:
+    """``prior``: the step-time model's start-up estimate; by default the true cost of a step
+    (what a perfect start-up estimate gives), which needs ``cost`` and ``overhead`` to be StepCosts."""
     clock = VirtualClock()
-    # The prior of the engine's step-time model is the true cost: what a perfect start-up estimate gives.
-    return Engine(config, SimRunner(clock, cost), SimTokenizer(), KVLayout(num_kv_blocks, block_size), max_model_len,
-                  clock=clock, step_prior=cost)
+    if prior is None:
+        parts = [c for c in (cost, overhead) if c is not None]
+        if not all(isinstance(c, StepCost) for c in parts):
+            raise ValueError("prior: a cost that is not a StepCost needs a StepCost prior for the step-time model")
+        prior = StepCost(*(sum(v) for v in zip(*(c.vector() for c in parts))))  # type: ignore[attr-defined]
+    return Engine(config, SimRunner(clock, cost, vocab_size, overhead), SimTokenizer(vocab_size),
+                  KVLayout(num_kv_blocks, block_size), max_model_len, clock=clock, step_prior=prior)

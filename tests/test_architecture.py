@@ -131,7 +131,7 @@ def test_every_cli_choice_list_is_its_registry():
     parser = build_parser()
     engine = {"policy": tuple(POLICY_REGISTRY), "kernels": tuple(KERNEL_MODES), "dtype": DTYPES,
               "device": DEVICES, "quantization": QUANTIZATIONS}
-    for command in ("generate", "serve", "bench", "compare", "tune"):
+    for command in ("generate", "serve", "bench", "compare", "tune", "simulate", "calibrate"):
         choices = _choices(parser, command)
         for dest, registry in engine.items():
             assert choices.get(dest, registry) == registry, (command, dest)

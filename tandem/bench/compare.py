@@ -33,7 +33,8 @@ def run_compare(scenario: str | None, workload_path: str | None, configs: list[s
     if sc and sc.loads:
         runs = {load: _compare_one(load, None, configs, base, str(Path(result_dir) / load), goodput, seed,
                                    max_duration, evaluator) for load in sc.loads}
-        index = write_loads_index(Path(result_dir), sc, {k: v["evaluations"] for k, v in runs.items()})
+        index = write_loads_index(Path(result_dir), sc, {k: v["evaluations"] for k, v in runs.items()},
+                                  getattr(evaluator, "meta", {}).get("profile"))
         return {"evaluations": [e for r in runs.values() for e in r["evaluations"]], "loads": runs,
                 "paths": [str(index)] + [p for r in runs.values() for p in r["paths"]]}
     return _compare_one(scenario, workload_path, configs, base, result_dir, goodput, seed, max_duration, evaluator)
@@ -58,5 +59,6 @@ def _compare_one(scenario: str | None, workload_path: str | None, configs: list[
     if getattr(evaluator, "peaks", None) is not None:
         meta["peak_flops_per_s"] = evaluator.peaks.flops_per_s
         meta["peak_bytes_per_s"] = evaluator.peaks.bytes_per_s
+    meta.update(getattr(evaluator, "meta", {}))  # a simulator names its cost profile
     paths = write_compare_report(Path(result_dir), evaluations, meta)
     return {"evaluations": evaluations, "paths": [str(p) for p in paths]}

@@ -108,9 +108,13 @@ def write_compare_report(out: Path, evaluations: list[Evaluation], meta: dict) -
     plot_itl_timelines(evaluations, out / PLOTS[1])
     plot_step_mix(evaluations, out / PLOTS[2])
     plots = list(PLOTS)
-    md = [f"# Comparison: {meta['scenario']}", "", meta["description"], "",
-          f"{meta['num_requests']} requests, the same for every configuration (seed {meta['seed']}).", "",
-          table(evaluations), ""]
+    md = [f"# Comparison{' (simulated)' if meta.get('simulated') else ''}: {meta['scenario']}", "",
+          meta["description"], "",
+          f"{meta['num_requests']} requests, the same for every configuration (seed {meta['seed']}).", ""]
+    if meta.get("simulated"):
+        md += [f"SIMULATED, not measured: the real scheduler on a virtual clock, steps priced by the "
+               f"{meta['profile']}. Seconds are virtual.", ""]
+    md += [table(evaluations), ""]
     if meta.get("goodput_slos_ms"):
         md += ["Goodput SLOs: " + ", ".join(f"{k} <= {v:g} ms" for k, v in meta["goodput_slos_ms"].items()), ""]
     md += _extra_sections(evaluations, out, plots)
@@ -148,11 +152,13 @@ def _extra_sections(evaluations: list[Evaluation], out: Path, plots: list[str]) 
     return md
 
 
-def write_loads_index(out: Path, scenario, runs: dict[str, list[Evaluation]]) -> Path:
+def write_loads_index(out: Path, scenario, runs: dict[str, list[Evaluation]], simulated: str | None = None) -> Path:
     """The page of a scenario made of several loads: each load's main table and frontier verdict,
-    linking to its own report."""
+    linking to its own report. ``simulated``: the cost profile, when a simulator ran them."""
     out.mkdir(parents=True, exist_ok=True)
-    md = [f"# Comparison: {scenario.name}", "", scenario.description, ""]
+    md = [f"# Comparison{' (simulated)' if simulated else ''}: {scenario.name}", "", scenario.description, ""]
+    if simulated:
+        md += [f"SIMULATED, not measured: steps priced by the {simulated}.", ""]
     for load, evaluations in runs.items():
         md += [f"## {load}", "", f"[full report]({load}/compare.md)", "", table(evaluations), ""]
         md += frontier.verdict(evaluations) + [""]

@@ -150,6 +150,11 @@ class TuneConfig:
     result_dir: str = field(default="tune-results", metadata=_help("where the report goes"))
     seed: int = field(default=0, metadata=_help("seed of the requests"))
     max_duration: float = field(default=1800.0, metadata=_help("seconds each run may take"))
+    simulate: str | None = field(default=None, metadata=_help(
+        "search in the simulator with this cost profile (a file from `tandem calibrate`, or DEVICE/MODEL), "
+        "then confirm the leaders on the real engine"))
+    confirm: int = field(default=3, metadata=_help(
+        "with --simulate: how many of the best simulated candidates to measure on the real engine (0: none)"))
 
     def targets(self) -> list[float]:
         """The ITL targets (ms) to try: the fractions of the ITL SLO, one decimal."""
@@ -173,3 +178,42 @@ class TuneConfig:
         if not values or min(values) < 1:
             raise ValueError(f"{name}: expected positive integers, got {text!r}")
         return values
+
+
+PROFILE_HELP = ("cost profile: a JSON file written by `tandem calibrate` (or a roofline profile file), or "
+                "DEVICE/MODEL for the roofline of a shipped device and model, e.g. h100-sxm/llama-3.1-8b")
+
+
+@dataclass(frozen=True)
+class SimulateConfig:
+    scenario: str = field(default="equal", metadata=_help(
+        "built-in scenario: " + scenarios_help(), choices=SCENARIO_NAMES))
+    workload: str | None = field(default=None, metadata=_help("a workload YAML/JSON file instead of a scenario"))
+    configs: tuple[str, ...] = field(default=(), metadata=_help(
+        "configurations to simulate, in `tandem compare --configs` syntax; default: the scenario's own set, "
+        "else compare's defaults", nargs="+"))
+    profile: str | None = field(default=None, metadata=_help(PROFILE_HELP + " (required)"))
+    goodput: tuple[str, ...] = field(default=(), metadata=_help(
+        "SLOs for goodput, e.g. ttft:2000 tpot:300 (milliseconds)", nargs="+"))
+    result_dir: str = field(default="simulate-results", metadata=_help("where the report goes"))
+    seed: int = field(default=0, metadata=_help("seed of the requests (the same for every configuration)"))
+    max_duration: float = field(default=36000.0, metadata=_help(
+        "virtual seconds each configuration may run"))
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    output: str = field(default="profile.json", metadata=_help("where the measured cost profile is written"))
+    name: str | None = field(default=None, metadata=_help("the profile's name (default: model, dtype and machine)"))
+    repeats: int = field(default=5, metadata=_help("timed runs of each designed step; the median counts"))
+    max_chunk: int = field(default=2048, metadata=_help("largest prompt chunk in the designed steps"))
+    max_batch: int = field(default=64, metadata=_help("largest decode batch in the designed steps"))
+    overhead_requests: int = field(default=16, metadata=_help(
+        "requests of the short engine run that measures the time per step beyond the forward pass"))
+    device_out: str | None = field(default=None, metadata=_help(
+        "also write a roofline device description of this machine from its measured peaks to this file"))
+
+    def validate(self) -> None:
+        for name in ("repeats", "max_chunk", "max_batch", "overhead_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

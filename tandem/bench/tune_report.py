@@ -56,7 +56,9 @@ def write_tune_report(out: Path, result: TuneResult, slo: SLO, meta: dict) -> li
     verdict = ("meets the SLOs" if result.feasible else
                f"does NOT meet the SLOs: no configuration tried did; this is the nearest miss "
                f"(worst measured/allowed ratio {slo.worst_ratio(b):.2f})")
-    md = [f"# Tuning: {meta.get('workload', '')}", "",
+    md = [f"# Tuning{' (simulated search)' if meta.get('simulated') else ''}: {meta.get('workload', '')}", "",
+          *([f"SIMULATED: every trial below ran on the simulator ({meta['simulated']}); the figures are "
+             f"predictions. The real-engine confirmation follows the table.", ""] if meta.get("simulated") else []),
           f"SLOs: p99 TTFT <= {slo.ttft_p99_ms} ms, p99 ITL <= {slo.itl_p99_ms} ms. "
           f"{len(result.trials)} configurations measured ({sum(len(t.runs) for t in result.trials)} runs).", "",
           f"**Best: {_label(result.best.overrides)}** — {verdict}: {b['output_throughput']:.1f} output tok/s, "

@@ -27,23 +27,52 @@ def serve_base(base: EngineConfig) -> str:
 
 
 def run_tune(cfg: TuneConfig, base: EngineConfig, evaluator=None) -> dict:
+    """``evaluator``: what measures on the real engine (default: in-process over ``base``'s model);
+    with ``cfg.simulate`` the search runs on the simulator and only the confirmation on it."""
     slo = SLO(cfg.slo_ttft_ms, cfg.slo_itl_ms)
     slo.validate()
     chunks, seqs = cfg.grid("chunk_sizes"), cfg.grid("max_num_seqs_values")
     fixed = parse_overrides(cfg.fixed)
     console = Console(stderr=True)
     targets = cfg.targets()
-    evaluator = evaluator or InProcessEvaluator(base)
-    requests, offsets, title, description, _ = scenario_requests(
-        None if cfg.workload else cfg.scenario, cfg.workload, PlainTokenizer(evaluator.tokenizer), cfg.seed)
+    if cfg.confirm < 0:
+        raise ValueError(f"confirm: must be >= 0, got {cfg.confirm}")
+    profile = None
+    if cfg.simulate:
+        from tandem.bench.simulate import SimEvaluator
+        from tandem.sim_profile import describe, load_profile
+
+        profile = load_profile(cfg.simulate)
+        search = SimEvaluator(profile, base.scheduler)
+    else:
+        search = evaluator = evaluator or InProcessEvaluator(base)
+    scenario = None if cfg.workload else cfg.scenario
     slos = parse_goodput(slo.goodput_args())
 
-    def measure(overrides: dict) -> dict:
-        ev = evaluate(evaluator, Candidate("trial", overrides), requests, offsets, [50, 99], slos, cfg.max_duration)
-        return ev.summary
+    def measurer(ev):
+        requests, offsets, title, description, _ = scenario_requests(
+            scenario, cfg.workload, PlainTokenizer(ev.tokenizer), cfg.seed)
 
-    result = tune(measure, slo, chunks, seqs, repeats=cfg.repeats, max_trials=cfg.max_trials,
+        def measure(overrides: dict) -> dict:
+            return evaluate(ev, Candidate("trial", overrides), requests, offsets, [50, 99], slos,
+                            cfg.max_duration).summary
+        return measure, (title, description, len(requests))
+
+    measure, (title, description, num_requests) = measurer(search)
+    # the simulator gives the same answer every time: measuring a leader again adds nothing
+    result = tune(measure, slo, chunks, seqs, repeats=1 if profile else cfg.repeats, max_trials=cfg.max_trials,
                   base_command=serve_base(base), log=lambda line: console.print(line), targets=targets, fixed=fixed)
-    meta = {"workload": title, "description": description, "num_requests": len(requests), "seed": cfg.seed}
+    meta = {"workload": title, "description": description, "num_requests": num_requests, "seed": cfg.seed}
+    if profile:
+        meta["simulated"] = describe(profile)
     paths = write_tune_report(Path(cfg.result_dir), result, slo, meta)
-    return {"result": result, "paths": [str(p) for p in paths]}
+    out: dict = {"result": result}
+    if profile and cfg.confirm:
+        from tandem.bench.tune_confirm import confirm, write_confirm
+
+        real_measure, _ = measurer(evaluator or InProcessEvaluator(base))
+        out["confirmed"] = confirm(result, slo, real_measure, cfg.confirm, serve_base(base),
+                                   log=lambda line: console.print(line))
+        paths += write_confirm(Path(cfg.result_dir), out["confirmed"], describe(profile))
+    out["paths"] = [str(p) for p in paths]
+    return out
