@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     from tandem.bench.simulate import SimEvaluator
     from tandem.config import EngineConfig
     from tandem.kernels.cpu_features import cpu_model
-    from tandem.sim_profile import SHIPPED, describe, load_profile
+    from tandem.sim.profile import SHIPPED, describe, load_profile
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

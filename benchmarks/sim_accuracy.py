@@ -32,7 +32,7 @@ from tandem.bench.evaluate import InProcessEvaluator
 from tandem.bench.scenarios import SCENARIOS
 from tandem.bench.simulate import SimEvaluator
 from tandem.cli_args import add_engine_args, engine_config_from_args
-from tandem.sim_profile import describe, load_profile
+from tandem.sim.profile import describe, load_profile
 
 METRICS = (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT p50"), ("p99_ttft_ms", "TTFT p99"),
            ("median_itl_ms", "ITL p50"), ("p99_itl_ms", "ITL p99"))

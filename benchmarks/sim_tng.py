@@ -27,7 +27,7 @@ from tandem.bench.simulate import SimEvaluator
 from tandem.bench.summary import summarize_run
 from tandem.bench.workload import ArrivalSpec
 from tandem.config import SchedulerConfig
-from tandem.sim_profile import describe, load_profile
+from tandem.sim.profile import describe, load_profile
 
 CONFIGS = {
     "prefill-first": {"policy": "prefill-first", "max_num_batched_tokens": 8192},

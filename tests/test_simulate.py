@@ -16,9 +16,9 @@ from tandem.core import policies
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.step_time import StepCost, features
 from tandem.sim import SimTokenizer, sim_engine
-from tandem.sim_design import design, fit_shapes
-from tandem.sim_profile import SCHEMA, SHIPPED, load_profile, profile_from_dict, shipped_names
-from tandem.sim_schema import SchemaError
+from tandem.sim.design import design, fit_shapes
+from tandem.sim.profile import SCHEMA, SHIPPED, load_profile, profile_from_dict, shipped_names
+from tandem.sim.schema import SchemaError
 from tiny_models import save_tiny
 
 MEASURED = {
@@ -237,7 +237,7 @@ def test_profiles_and_the_simulate_command_load_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys, tandem.sim_profile, tandem.sim_roofline, tandem.sim_design, tandem.bench.simulate\n"
+    code = ("import sys, tandem.sim.profile, tandem.sim.roofline, tandem.sim.design, tandem.bench.simulate\n"
             "print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"

@@ -2,7 +2,7 @@
 
 Two measurements:
 
-1. The forward pass: each step of the designed set (``tandem.sim_design``: prompt chunks,
+1. The forward pass: each step of the designed set (``tandem.sim.design``: prompt chunks,
    decode batches at several contexts, mixed steps) runs on the model runner ``repeats`` times
    after one untimed run (its one-time costs), and the median counts. The step-time model is
    fitted to them with its own fit.
@@ -27,8 +27,8 @@ from tandem.config import EngineConfig
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.step import KVLayout, ScheduledChunk, SchedulerOutput
 from tandem.kernels.cpu_features import cpu_model
-from tandem.sim_design import Spans, design, fit_shapes, relative_errors
-from tandem.sim_profile import SCHEMA, profile_from_dict
+from tandem.sim.design import Spans, design, fit_shapes, relative_errors
+from tandem.sim.profile import SCHEMA, profile_from_dict
 
 
 def time_steps(runner, layout: KVLayout, shapes: list[Spans], repeats: int, progress=None) -> list[tuple[Spans, float]]:

@@ -13,7 +13,7 @@ import dataclasses
 from tandem.bench.compare import run_compare
 from tandem.config import EngineConfig, SchedulerConfig
 from tandem.sim import SimTokenizer, sim_engine
-from tandem.sim_profile import Profile, describe, load_profile
+from tandem.sim.profile import Profile, describe, load_profile
 
 
 class SimEvaluator:

@@ -40,7 +40,7 @@ def run_tune(cfg: TuneConfig, base: EngineConfig, evaluator=None) -> dict:
     profile = None
     if cfg.simulate:
         from tandem.bench.simulate import SimEvaluator
-        from tandem.sim_profile import describe, load_profile
+        from tandem.sim.profile import describe, load_profile
 
         profile = load_profile(cfg.simulate)
         search = SimEvaluator(profile, base.scheduler)

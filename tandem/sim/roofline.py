@@ -20,7 +20,7 @@ from typing import Any
 
 from tandem.core.step import SchedulerOutput
 from tandem.models.spec import ModelSpec
-from tandem.sim_schema import mapping, number, number_map, text, validate
+from tandem.sim.schema import mapping, number, number_map, text, validate
 from tandem.utilization import ModelCost
 
 DEVICE_SCHEMA = "tandem-sim-device/1"

@@ -1,8 +1,5 @@
-"""A simulator: the real scheduling core on a virtual clock, with a runner whose step time is a
-cost model instead of a forward pass. `tandem simulate` runs compare's workloads through it with a
-cost profile (``tandem.sim_profile``); tests use it to check the tuner and the policies on cases
-whose answer is known. No torch.
-"""
+"""The simulated engine: the real scheduling core on a virtual clock, with a runner whose step time
+is a cost model instead of a forward pass, and a tokenizer that needs no model."""
 
 from __future__ import annotations
 
@@ -15,9 +12,8 @@ from tandem.core.engine import Engine
 from tandem.core.step import KVLayout, RunnerOutput, SampledToken, SchedulerOutput
 # The cost of a simulated step is the step-time model's formula with known coefficients, so the
 # engine's online fit of it can be checked against the truth.
-from tandem.core.step_time import StepCost
+from tandem.core.step_time import StepCost  # noqa: F401  (re-exported by tandem.sim)
 
-__all__ = ["StepCost", "SimRunner", "SimTokenizer", "VirtualClock", "sim_engine"]
 
 
 class Cost(Protocol):

@@ -7,7 +7,7 @@ Two kinds (``docs/simulate.md`` documents every field):
   (``overhead``), the KV cache it ran with, and where it was measured (machine, model, dtype,
   quantization, date, fit error).
 * ``roofline`` -- a model spec (a ``config.json``: a shipped name, a path, or inline) and a
-  device description (a shipped name, a path, or inline; ``tandem.sim_roofline``).
+  device description (a shipped name, a path, or inline; ``tandem.sim.roofline``).
 
 ``--profile`` takes a file, or ``DEVICE/MODEL`` for the roofline of a shipped device and model
 (``h100-sxm/llama-3.1-8b``). No torch.
@@ -23,12 +23,12 @@ from typing import Any
 from tandem.core.step_time import TERMS, StepCost
 from tandem.models.spec import ModelSpec
 from tandem.sim import Cost
-from tandem.sim_design import design, fit_cost
-from tandem.sim_roofline import DEVICE_FIELDS, DTYPE_BYTES, Device, RooflineCost, kv_blocks
-from tandem.sim_schema import SchemaError, integer, mapping, name_or, number, text, validate
+from tandem.sim.design import design, fit_cost
+from tandem.sim.roofline import DEVICE_FIELDS, DTYPE_BYTES, Device, RooflineCost, kv_blocks
+from tandem.sim.schema import SchemaError, integer, mapping, name_or, number, text, validate
 
 SCHEMA = "tandem-sim-profile/1"
-SHIPPED = Path(__file__).parent / "sim_profiles"
+SHIPPED = Path(__file__).parent / "profiles"
 KINDS = ("measured", "roofline")
 
 COEFFICIENTS = mapping({t: (number(), True) for t in TERMS})
