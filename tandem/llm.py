@@ -28,6 +28,8 @@ class GenerationOutput:
     finish_reason: str | None
     timing: RequestTiming
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache."""
 
     @property
     def outputs(self) -> list["GenerationOutput"]:
@@ -112,5 +114,6 @@ def generate(
                     finish_reason=out.finish_reason,
                     timing=out.timing,
                     logprobs=list(out.logprobs),
+                    num_cached_tokens=out.num_cached_tokens,
                 )
     return [final[rid] for rid in ids]

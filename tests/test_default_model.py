@@ -61,3 +61,25 @@ def test_cache_entry_is_validated_and_rebuilt(gemma, tmp_path, monkeypatch):
     (copy / "manifest.json").unlink()  # a partial entry (the manifest is written last)
     assert wcache.converted_entry(gguf, tmp_path) == copy and len(built) == 2
     assert wcache._valid(copy)
+
+
+def test_prefix_cache_keeps_outputs_identical(gemma):
+    """Prompts sharing a prefix that ends inside a block, at a block boundary and at the prompt's
+    end give, served from the prefix cache, the greedy outputs they give with nothing cached."""
+    prompts = [c["prompt_token_ids"] for c in REFERENCE["cases"]]
+    rest = [t for p in prompts[1:] for t in p[1:]]  # the reference prompts run together, one BOS
+    base = prompts[0] + rest + rest
+    assert len(base) > 48
+    variants = [base[:40] + [236761, 1018], base[:32] + [108, 236761], list(base)]
+    short = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    fresh = []
+    for p in variants:  # each alone on an empty cache: nothing to reuse
+        gemma.engine.allocator.reset_cache()
+        out = gemma.generate(p, short)[0]
+        assert out.num_cached_tokens == 0
+        fresh.append(out.token_ids)
+    gemma.generate(base, short)
+    reused = gemma.generate(variants, short)
+    assert [o.num_cached_tokens for o in reused] == [32, 32, (len(base) - 1) // 16 * 16]
+    assert [o.token_ids for o in reused] == fresh
+    gemma.engine.scheduler.check_invariants()
