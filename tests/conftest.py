@@ -44,3 +44,16 @@ def kernels(request):
     if os.environ.get("TANDEM_NO_KERNELS") or native._compiler() is None:
         pytest.skip("no C compiler (or TANDEM_NO_KERNELS): the kernels are not built here")
     return native.load(isa.name)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory):
+    """One tiny random model per family ("llama", "gemma3"), saved once for the session."""
+    from tiny_models import save_tiny
+
+    dirs = {}
+    for family in ("llama", "gemma3"):
+        d = tmp_path_factory.mktemp(f"tiny-{family}")
+        save_tiny(family, d)
+        dirs[family] = str(d)
+    return dirs

@@ -7,17 +7,12 @@ import random
 import pytest
 
 from tandem import LLM, SamplingParams
-from tiny_models import VOCAB, save_tiny
+from tiny_models import VOCAB
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    dirs = {}
-    for family in ("llama", "gemma3"):
-        d = tmp_path_factory.mktemp(f"engine-{family}")
-        save_tiny(family, d)
-        dirs[family] = str(d)
-    return dirs
+def model_dirs(tiny_model_dirs):
+    return tiny_model_dirs
 
 
 def prompts(n=7, seed=0):

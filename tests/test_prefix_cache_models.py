@@ -10,19 +10,14 @@ import random
 import pytest
 
 from tandem import LLM, SamplingParams
-from tiny_models import VOCAB, save_tiny
+from tiny_models import VOCAB
 
 BS = 4
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    dirs = {}
-    for family in ("llama", "gemma3"):
-        d = tmp_path_factory.mktemp(f"prefix-{family}")
-        save_tiny(family, d)
-        dirs[family] = str(d)
-    return dirs
+def model_dirs(tiny_model_dirs):
+    return tiny_model_dirs
 
 
 def shared_prompts(seed=0):
