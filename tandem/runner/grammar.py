@@ -15,6 +15,7 @@ are kept in xgrammar's own cache, least recently used first out, bounded by ``ca
 from __future__ import annotations
 
 import json
+import re
 import threading
 from typing import Any
 
@@ -89,11 +90,15 @@ def _compile(compiler: Any, c: Constraint) -> Any:
             raise ebnf_error from None
 
 
+_SOURCE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
+
+
 def _what(c: Constraint) -> str:
     return {"json_schema": "the JSON schema", "json_object": "the JSON grammar", "regex": "the regular expression",
             "choice": "the choices", "grammar": "the grammar (EBNF with a root rule, or Lark)"}[c.kind]
 
 
 def _short(exc: Exception) -> str:
-    text = " ".join(str(exc).split())
+    # xgrammar's messages start with a time and its own source position: the client needs neither
+    text = _SOURCE_PREFIX.sub("", " ".join(str(exc).split()))
     return text[:300] + ("..." if len(text) > 300 else "")

@@ -76,6 +76,10 @@ class GrammarMatchers:
                     bitmask[j, t // 32] |= _bit(t % 32)
             else:
                 state.matcher.fill_next_token_bitmask(bitmask, j)
+            if not bool(bitmask[j].any()):
+                # raised before anything is drawn, so the step's retry without this request is exact
+                raise ValueError(f"{chunk.sampling.constraint.field}: no token of the model's vocabulary "
+                                 f"can continue the output here (after {state.accepted} tokens)")
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab)
         return logits
 
