@@ -100,6 +100,12 @@ def test_json_object_regex_choice_and_grammar(llm):
             assert out.finish_reason == "stop" and ok(out.text), (constraint, out.text)
 
 
+def test_bad_constraint_is_refused_before_it_runs(llm):
+    with pytest.raises(ValueError, match=r"prompts\[0\]: guided_regex: the regular expression could not be compiled"):
+        llm.generate("hi", SamplingParams(constraint=Constraint("regex", "(", "guided_regex")))
+    assert llm.engine.num_running == 0
+
+
 def test_grammar_end_stops_even_with_ignore_eos(llm):
     params = SamplingParams(max_tokens=50, temperature=1.0, seed=3, ignore_eos=True, min_tokens=20,
                             constraint=Constraint.choice(["yes", "no"]))
