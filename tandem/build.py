@@ -30,6 +30,7 @@ from tandem.models.spec import ModelSpec
 from tandem.ops.dispatch import OpTable, select_ops
 from tandem.ops.modes import describe_paths
 from tandem.paths import default_cache_dir
+from tandem.runner.grammar import GrammarCompiler
 from tandem.runner.runner import ModelRunner, kv_bytes_per_block
 from tandem.tokenizer import Tokenizer
 from tandem.utilization import ModelCost
@@ -102,6 +103,8 @@ class LoadedModel:
     step_priors: dict[tuple[int, int], StepCost] = field(default_factory=dict)
     """``step_prior`` per KV layout (blocks, block size), measured once: engines built over this
     model (one per `tandem compare` configuration) start from the same estimate."""
+    grammar: GrammarCompiler | None = None
+    """Structured outputs' compiler: its compiled grammars serve every engine over this model."""
 
     @property
     def w8a8_kernels(self):
@@ -228,8 +231,10 @@ def engine_for(
     if num_blocks < 1:
         raise ValueError("kv_cache_memory_gib: too small for a single KV-cache block")
     layout = KVLayout(num_blocks, config.cache.block_size)
+    if loaded.grammar is None:
+        loaded.grammar = GrammarCompiler(loaded.tokenizer, loaded.spec.vocab_size, config.model.grammar_cache_mib)
     runner = ModelRunner(loaded.model, layout, loaded.device, loaded.dtype, config.model.seed,
-                         loaded.tokenizer.eos_token_ids)
+                         loaded.tokenizer.eos_token_ids, loaded.grammar)
     key = (layout.num_blocks, layout.block_size)
     if key not in loaded.step_priors:
         loaded.step_priors[key] = step_prior(runner, layout, loaded.max_model_len)

@@ -28,7 +28,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a concurrent batch)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt with timing data")
     # The per-request seed is the engine's --seed; the latency targets are the engine's flags.
-    add_dataclass_args(p, SamplingParams, "sampling options", skip=("seed", "bad_words_token_ids", *TARGET_FIELDS),
+    add_dataclass_args(p, SamplingParams, "sampling options", skip=("seed", "bad_words_token_ids", "constraint", *TARGET_FIELDS),
                        defaults=CLI_DEFAULTS)
     add_engine_args(p)
 

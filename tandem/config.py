@@ -221,6 +221,9 @@ class ModelConfig:
         default=None, metadata=_help("where converted models are cached; default: the user cache dir")
     )
     seed: int = field(default=0, metadata=_help("seed for requests that do not set their own"))
+    grammar_cache_mib: int = field(default=64, metadata=_help(
+        "memory for compiled structured-output grammars (JSON schemas, regexes, grammars), least "
+        "recently used evicted first"))
     kernels: str = field(
         default="auto",
         metadata=_help(
@@ -248,6 +251,7 @@ class ModelConfig:
             _positive_int("max_model_len", self.max_model_len)
         if self.threads is not None:
             _positive_int("threads", self.threads)
+        _positive_int("grammar_cache_mib", self.grammar_cache_mib)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
 

@@ -92,6 +92,9 @@ def generate(
     try:
         for i, (prompt, p, prio) in enumerate(zip(prompt_list, params, priorities)):
             try:
+                grammar = getattr(engine.runner, "grammar", None)
+                if p is not None and p.constraint is not None and grammar is not None:
+                    grammar.compile(p.constraint)  # a bad one raises here, not in the middle of a step
                 ids.append(engine.add_request(prompt, p, arrival_time=now, priority=prio))
             except ValueError as exc:
                 raise ValueError(f"prompts[{i}]: {exc}") from exc

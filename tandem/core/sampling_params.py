@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
+from tandem.core.constraint import Constraint
 
 GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy (vLLM's threshold)."""
@@ -73,6 +74,9 @@ class SamplingParams:
         "a word that may not be generated (repeatable)", action="append"))
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False, metadata=_help(
         "derived: bad_words tokenized (``with_tokenizer``)"))
+    constraint: Constraint | None = field(default=None, metadata=_help(
+        "structured outputs: the grammar every output token must follow (``tandem.core.constraint``); the "
+        "output ends where the grammar does, even with ignore_eos"))
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -124,6 +128,8 @@ class SamplingParams:
                 isinstance(w, str) and w.strip() and len(w) <= MAX_BAD_WORD_CHARS for w in self.bad_words):
             raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} non-blank strings of at most "
                              f"{MAX_BAD_WORD_CHARS} characters, got {self.bad_words!r:.200}")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise ValueError(f"constraint: expected a Constraint, got {type(self.constraint).__name__}")
 
     def _validate_logit_bias(self) -> None:
         bias = self.logit_bias
@@ -144,8 +150,14 @@ class SamplingParams:
         for token in self.logit_bias or {}:
             if token >= vocab:
                 raise ValueError(f"logit_bias: token id {token} is outside the vocabulary [0, {vocab})")
+        params = self
+        ends = tuple(t for t in tokenizer.eos_token_ids if t not in self.stop_token_ids)
+        if self.constraint is not None and self.ignore_eos and ends:
+            # a finished grammar allows nothing but end-of-sequence: ignore_eos would have the
+            # request generate EOS tokens to max_tokens, so the grammar's end stops it as a stop token
+            params = replace(params, stop_token_ids=tuple(self.stop_token_ids) + ends)
         if not self.bad_words:
-            return self
+            return params
         words: list[tuple[int, ...]] = []
         for word in self.bad_words:
             # as the word starts the output and as it follows a space: BPE vocabularies spell them apart
@@ -153,7 +165,7 @@ class SamplingParams:
                 ids = tuple(tokenizer.encode(text, add_special_tokens=False))
                 if ids and ids not in words:
                     words.append(ids)
-        return replace(self, bad_words_token_ids=tuple(words))
+        return replace(params, bad_words_token_ids=tuple(words))
 
     @property
     def uses_penalties(self) -> bool:
@@ -163,7 +175,8 @@ class SamplingParams:
 
     def processes_logits(self, num_output_tokens: int) -> bool:
         """Whether the next token's logits change before sampling (``tandem.runner.penalties``);
-        ``min_p`` does not count: it only narrows a random draw."""
+        ``min_p`` does not count: it only narrows a random draw, nor ``constraint``, whose mask the
+        sampler applies on its own (``tandem.runner.grammar``)."""
         return (self.uses_penalties or bool(self.logit_bias) or bool(self.bad_words_token_ids)
                 or num_output_tokens < self.min_tokens)
 

@@ -15,6 +15,7 @@ from tandem.core.step import KVLayout, RunnerOutput, SampledToken, SchedulerOutp
 from tandem.models.base import CausalLM
 from tandem.models.context import ForwardContext
 from tandem.ops.paged_attention import build_metadata
+from tandem.runner.grammar import GrammarCompiler
 from tandem.runner.sampler import Sampler
 
 
@@ -33,6 +34,7 @@ class ModelRunner:
         dtype: torch.dtype,
         seed: int = 0,
         eos_token_ids: tuple[int, ...] = (),
+        grammar: GrammarCompiler | None = None,
     ) -> None:
         self.model = model
         self.layout = layout
@@ -45,7 +47,8 @@ class ModelRunner:
             dtype=dtype, device=device,
         )
         self.sliding_window = spec.sliding_window if any(spec.is_sliding(i) for i in range(spec.num_layers)) else None
-        self.sampler = Sampler(device, seed, model.ops.argmax_rows, eos_token_ids)
+        self.grammar = grammar
+        self.sampler = Sampler(device, seed, model.ops.argmax_rows, eos_token_ids, grammar)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:

@@ -14,7 +14,10 @@ its culprit) has advanced no request's generator, and its tokens reach no reques
 (``penalties.TokenHistory``) before every row is drawn.
 
 Rows that ask for logit processing (``penalties.py``) are processed apart and put back; every
-other row is sampled from its logits exactly as if no such row shared the step. ``min_p`` narrows
+other row is sampled from its logits exactly as if no such row shared the step. Rows with an
+output constraint are then masked to what their grammar allows (``grammar_matchers``); where the
+processing had masked every token the grammar allows, the grammar's mask alone applies to the
+unprocessed row, so the grammar always wins. ``min_p`` narrows
 a random row's draw after temperature, as vLLM does; it changes no greedy choice. The logprobs
 returned are those of the unprocessed logits (vLLM's default ``raw_logprobs``).
 """
@@ -30,6 +33,8 @@ from tandem.core.sampling_params import SamplingParams
 from tandem.core.step import ScheduledChunk
 from tandem.ops.reference import argmax_rows
 from tandem.runner import penalties
+from tandem.runner.grammar import GrammarCompiler
+from tandem.runner.grammar_matchers import GrammarMatchers
 
 
 _SEED_MASK = (1 << 64) - 1
@@ -38,13 +43,15 @@ _SEED_MASK = (1 << 64) - 1
 class Sampler:
     def __init__(self, device: torch.device, default_seed: int,
                  argmax: Callable[[torch.Tensor], torch.Tensor] = argmax_rows,
-                 eos_token_ids: Sequence[int] = ()) -> None:
+                 eos_token_ids: Sequence[int] = (), grammar: GrammarCompiler | None = None) -> None:
         """``argmax``: the op table's row argmax (``OpTable.argmax_rows``); ``eos_token_ids``: what
-        ``min_tokens`` masks besides a request's stop_token_ids."""
+        ``min_tokens`` masks besides a request's stop_token_ids; ``grammar``: compiles output
+        constraints (without one, a constrained request fails)."""
         self.device = device
         self._argmax = argmax
         self.eos_token_ids = tuple(eos_token_ids)
         self.history = penalties.TokenHistory(device)
+        self.grammars = GrammarMatchers(grammar) if grammar is not None else None
         self._generators: dict[str, torch.Generator] = {}
         self._default = torch.Generator(device=device)
         self._default.manual_seed(default_seed)
@@ -52,6 +59,8 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self.history.forget(request_id)
+        if self.grammars is not None:
+            self.grammars.forget(request_id)
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         if params.seed is None:
@@ -104,10 +113,28 @@ class Sampler:
                     top = list(zip(top_i[j, :kk].tolist(), top_v[j, :kk].tolist()))
                 logprobs[i] = TokenLogprob(token_ids[i], float(lp[j, token_ids[i]]), top)
         self.history.record(request_ids, token_ids)
+        if self.grammars is not None:
+            self.grammars.accept(request_ids, token_ids)
         return token_ids, logprobs
 
     def _processed(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
         """``logits`` with the rows that ask for processing replaced by their processed logits."""
+        work = self._penalized(logits, chunks)
+        rows = [i for i, c in enumerate(chunks) if c.sampling.constraint is not None]
+        if not rows:
+            return work
+        if self.grammars is None:
+            raise RuntimeError("structured outputs: this runner has no grammar compiler")
+        idx = torch.tensor(rows, device=logits.device)
+        constrained = [chunks[i] for i in rows]
+        masked = self.grammars.mask(work[idx], constrained)
+        dead = torch.isneginf(masked).all(dim=-1)
+        if bool(dead.any()):
+            dead_rows = dead.nonzero().flatten().tolist()
+            masked[dead] = self.grammars.mask(logits[idx[dead]], [constrained[j] for j in dead_rows])
+        return work.index_copy(0, idx, masked)
+
+    def _penalized(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
         num_output = [c.end - c.num_prompt_tokens for c in chunks]
         rows = [i for i, c in enumerate(chunks) if c.sampling.processes_logits(num_output[i])]
         if not rows:

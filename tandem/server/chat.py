@@ -77,12 +77,14 @@ class ChatFormatter:
         self.source = tokenizer.chat_template or DEFAULT_TEMPLATES[default_template_name(family, tokenizer)]
         self.uses_model_template = tokenizer.chat_template is not None
 
-    def render(self, messages: list[dict]) -> str:
-        """``messages``: validated [{'role', 'content': str}] -> prompt text."""
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """``messages``: validated [{'role', 'content': str}] -> prompt text; ``tools``: the
+        request's tools, for a template that presents them to the model (others ignore them)."""
         bos = self.tokenizer.bos_token_id
         try:
             return _compile(self.source).render(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=True,
                 bos_token=self.tokenizer.backend.id_to_token(bos) if bos is not None else "",
                 eos_token="",

@@ -11,6 +11,7 @@ from tandem.core.outputs import RequestOutput
 from tandem.server.fanout import Job
 from tandem.server.protocol import APIError
 from tandem.server.state import ServerState
+from tandem.server.tool_calls import ToolFormat, ToolStream
 
 
 def response_id(chat: bool) -> str:
@@ -55,18 +56,26 @@ def _chat_logprobs(state: ServerState, lps) -> dict[str, Any]:
                         for lp in lps]}
 
 
+def _message(out: RequestOutput, tools: ToolFormat | None) -> tuple[dict[str, Any], str | None]:
+    calls = tools.calls(out.text) if tools is not None and out.finish_reason == "stop" else None
+    if calls is None:
+        return {"role": "assistant", "content": out.text}, out.finish_reason
+    return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+
+
 def full_response(state: ServerState, jobs: list[Job], finals: dict[int, RequestOutput], rid: str, created: int,
-                  chat: bool) -> dict[str, Any]:
+                  chat: bool, tools: ToolFormat | None = None) -> dict[str, Any]:
     choices = []
     for job in jobs:
         out = finals[job.index]
         want_lp = job.request.params.logprobs is not None
         if chat:
+            message, reason = _message(out, tools)
             choices.append({
                 "index": job.index,
-                "message": {"role": "assistant", "content": out.text},
+                "message": message,
                 "logprobs": _chat_logprobs(state, out.logprobs) if want_lp else None,
-                "finish_reason": out.finish_reason,
+                "finish_reason": reason,
             })
         else:
             choices.append({
@@ -85,8 +94,10 @@ def _event(data: dict[str, Any]) -> bytes:
 
 
 async def sse_stream(state: ServerState, stream: AsyncIterator[tuple[Job, RequestOutput]], jobs: list[Job],
-                     rid: str, created: int, chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
+                     rid: str, created: int, chat: bool, include_usage: bool,
+                     tools: ToolFormat | None = None) -> AsyncIterator[bytes]:
     obj = "chat.completion.chunk" if chat else "text_completion"
+    tool_streams = {j.index: ToolStream(tools) for j in jobs} if tools is not None else {}
     sent_lp: dict[int, int] = {}
     finals: dict[int, RequestOutput] = {}
 
@@ -114,8 +125,13 @@ async def sse_stream(state: ServerState, stream: AsyncIterator[tuple[Job, Reques
             if not out.delta_text and not out.finished and not (want_lp and new_lps):
                 continue
             reason = out.finish_reason if out.finished else None
+            delta: dict[str, Any] | None = {"content": out.delta_text}
+            if job.index in tool_streams:
+                delta, reason = tool_streams[job.index].delta(out.delta_text, out.finished, reason)
+            if delta is None and not (want_lp and new_lps):
+                continue
             if chat:
-                choice = {"index": job.index, "delta": {"content": out.delta_text},
+                choice = {"index": job.index, "delta": delta or {},
                           "logprobs": _chat_logprobs(state, new_lps) if want_lp else None, "finish_reason": reason}
             else:
                 offsets = out.text_offsets[first_lp:first_lp + len(new_lps)] or out.text_offsets[-1:]

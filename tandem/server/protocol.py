@@ -16,7 +16,10 @@ from typing import Annotated, Any, Iterator, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from tandem.core.constraint import Constraint
 from tandem.core.sampling_params import SamplingParams
+from tandem.server.structured import StructuredFields
+from tandem.server.tool_calls import ToolFields, ToolFormat
 from tandem.server.unsupported import RefusedFields, unsupported_field
 
 SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
@@ -64,8 +67,11 @@ def from_value_error(exc: ValueError) -> APIError:
     """Engine errors are 'field: message'; the field becomes the error's param."""
     text = str(exc)
     head, sep, _ = text.partition(":")
-    param = head.strip() if sep and head.strip().replace("_", "").replace("[", "").replace("]", "").isalnum() else None
+    param = head.strip() if sep and head.strip().translate(_FIELD_PUNCTUATION).isalnum() else None
     return bad_request(text, param)
+
+
+_FIELD_PUNCTUATION = str.maketrans("", "", "_[].")
 
 
 def _integral(value: Any) -> Any:
@@ -98,7 +104,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(RefusedFields):  # type: ignore[misc, valid-type]
+class _Common(StructuredFields, RefusedFields):  # type: ignore[misc, valid-type]
     model_config = ConfigDict(strict=True, extra="forbid")
     model: str | None = None
     max_tokens: Int | None = None
@@ -144,9 +150,11 @@ class _Common(RefusedFields):  # type: ignore[misc, valid-type]
             return check_user(header, f"user: the {USER_HEADER} header")
         return self.user or ""
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None, default_max: int | None) -> SamplingParams:
+    def _sampling(self, max_tokens: int | None, logprobs: int | None, default_max: int | None,
+                  tools: ToolFormat | None = None) -> SamplingParams:
         """Fields the client left out keep SamplingParams' defaults (OpenAI's); ``default_max``
-        replaces the default ``max_tokens`` where the route's default differs (chat)."""
+        replaces the default ``max_tokens`` where the route's default differs (chat); ``tools``:
+        the forced tool call whose arguments constrain the output."""
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise bad_request(f"seed: must be an integer in [-2**63, 2**63 - 1], got {self.seed}", "seed")
         refused = unsupported_field(self)
@@ -171,6 +179,7 @@ class _Common(RefusedFields):  # type: ignore[misc, valid-type]
             "min_p": self.min_p,
         }
         try:
+            constraint = self._constraint(tools)
             return SamplingParams(
                 **{k: v for k, v in given.items() if v is not None},
                 seed=self.seed,
@@ -184,9 +193,19 @@ class _Common(RefusedFields):  # type: ignore[misc, valid-type]
                 min_tokens=self.min_tokens,
                 bad_words=self.bad_words or (),
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                constraint=constraint,
             )
         except ValueError as exc:
             raise from_value_error(exc) from None
+
+
+    def _constraint(self, tools: ToolFormat | None) -> Constraint | None:
+        constraint = self.output_constraint()
+        if tools is None:
+            return constraint
+        if constraint is not None:
+            raise ValueError(f"{constraint.field}: cannot be combined with a forced tool call (tool_choice)")
+        return tools.constraint()
 
 
 def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -244,19 +263,19 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(_Common, ToolFields):
     messages: list[ChatMessage]
     max_completion_tokens: Int | None = None
     logprobs: bool = False
     top_logprobs: Int | None = None
 
-    def sampling_params(self, default_max: int) -> SamplingParams:
+    def sampling_params(self, default_max: int, tools: ToolFormat | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs: requires logprobs: true", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         lp = (self.top_logprobs or 0) if self.logprobs else None
         with self.field_names():
-            return self._sampling(max_tokens, lp, default_max)
+            return self._sampling(max_tokens, lp, default_max, tools)
 
     @contextlib.contextmanager
     def field_names(self) -> Iterator[None]:
@@ -321,4 +340,5 @@ def validate(model: type[BaseModel], data: Any) -> Any:
         raise bad_request(f"{param}: {err['msg']}" if param else err["msg"], param) from None
 
 
-_UNION_TAGS = {"str", "int", "float", "bool", "TextPart", "StreamOptions"}
+_UNION_TAGS = {"str", "int", "float", "bool", "TextPart", "StreamOptions", "NamedToolChoice",
+               "dict[str,any]", "list[str]"}

@@ -30,9 +30,12 @@ from tandem.server.protocol import (
     TokenizeRequest,
     USER_HEADER,
     bad_request,
+    from_value_error,
     validate,
 )
 from tandem.server.state import ServerState, unix_time
+from tandem.server.structured import compile_constraint
+from tandem.server.tool_calls import ToolFormat
 from tandem.server.streaming import GuardedStreamingResponse
 
 log = logging.getLogger(__name__)
@@ -142,6 +145,7 @@ def create_app(state: ServerState) -> FastAPI:
         _check_model(state, req.model)
         params = req.sampling_params()  # SamplingParams' defaults are OpenAI's
         prompts = req.prompts()
+        await _compile(state, params.constraint)
         user = req.tenant(request.headers.get(USER_HEADER))
         jobs = await state.offload.run(make_jobs, state, prompts, params, req.n, req.priority, arrival,
                               default_max=False, explicit_max=req.max_tokens is not None,
@@ -154,7 +158,12 @@ def create_app(state: ServerState) -> FastAPI:
         req = validate(ChatCompletionRequest, await read_json(request, state.config.max_request_bytes, state.config.body_timeout))
         _check_model(state, req.model)
         # chat's default max_tokens: the room left in the context (see core/sampling_params.py)
-        params = req.sampling_params(state.engine.max_model_len)
+        try:
+            tools = req.tool_format(state.chat.uses_model_template)
+        except ValueError as exc:
+            raise from_value_error(exc) from None
+        params = req.sampling_params(state.engine.max_model_len, tools)
+        await _compile(state, params.constraint)
         user = req.tenant(request.headers.get(USER_HEADER))
         text = await state.offload.run(_render_chat, state, req.messages, req)
         explicit = req.max_tokens is not None or req.max_completion_tokens is not None
@@ -162,7 +171,7 @@ def create_app(state: ServerState) -> FastAPI:
             jobs = await state.offload.run(make_jobs, state, [text], params, req.n, req.priority, arrival,
                                   default_max=not explicit, explicit_max=explicit, response_id=response_id(chat=True),
                                   user=user, cache_salt=req.cache_salt)
-        return await _respond(state, request, jobs, req, chat=True)
+        return await _respond(state, request, jobs, req, chat=True, tools=tools)
 
     return app
 
@@ -189,17 +198,26 @@ def _resolved_engine(state: ServerState) -> tuple[dict[str, Any], dict[str, Any]
 
 def _render_chat(state: ServerState, messages, req: ChatCompletionRequest | None = None) -> str:
     holder = req if req is not None else ChatCompletionRequest(messages=messages)
-    return state.chat.render(holder.plain_messages(ROLES))
+    return state.chat.render(holder.plain_messages(ROLES), holder.tools_for_template())
 
 
-async def _respond(state: ServerState, request: Request, jobs: list[Job], req, chat: bool):
+async def _compile(state: ServerState, constraint) -> None:
+    """A structured-output constraint compiled before its request is queued (a bad one: 400)."""
+    try:
+        await state.offload.run(compile_constraint, state.engine.runner, constraint)
+    except ValueError as exc:
+        raise from_value_error(exc) from None
+
+
+async def _respond(state: ServerState, request: Request, jobs: list[Job], req, chat: bool,
+                   tools: ToolFormat | None = None):
     created = unix_time()
     rid = jobs[0].response_id
     queues = await submit(state, jobs)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return GuardedStreamingResponse(
-            sse_stream(state, merged_outputs(state, jobs, queues), jobs, rid, created, chat, include_usage),
+            sse_stream(state, merged_outputs(state, jobs, queues), jobs, rid, created, chat, include_usage, tools),
             write_timeout=state.config.stream_write_timeout, media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -213,7 +231,7 @@ async def _respond(state: ServerState, request: Request, jobs: list[Job], req, c
         return Response(status_code=499)
     watch.cancel()
     finals = collecting.result()
-    return full_response(state, jobs, finals, rid, created, chat)
+    return full_response(state, jobs, finals, rid, created, chat, tools)
 
 
 async def _watch_disconnect(request: Request) -> None:

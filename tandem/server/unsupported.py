@@ -5,7 +5,9 @@ list of fields accepted with no effect by design.
 A field not named anywhere (``foo_bar``) is refused by the request models themselves
 (``extra="forbid"``), as OpenAI refuses unknown parameters. The fields below are declared on the
 models (so ``/openapi.json`` shows them) and refused here with a message that says what is missing,
-unless their value is one that asks for nothing (``tool_choice: "none"`` without ``tools``)."""
+unless their value is one that asks for nothing (``function_call: "none"`` without ``functions``).
+Structured outputs and tool calls are served (``structured.py``, ``tool_calls.py``); only
+vLLM's ``guided_whitespace_pattern`` of theirs is not: the JSON grammars are compact."""
 
 from __future__ import annotations
 
@@ -14,19 +16,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 REFUSED = {
-    "response_format": 'structured outputs (only {"type": "text"} is served)',
-    "tools": "tool calls",
-    "tool_choice": 'tool calls (only "none" without tools is served)',
     "functions": "function calls",
     "function_call": 'function calls (only "none" is served)',
-    "parallel_tool_calls": "tool calls (it is accepted only without tools, where it has no effect)",
-    "guided_json": "structured outputs",
-    "guided_regex": "structured outputs",
-    "guided_choice": "structured outputs",
-    "guided_grammar": "structured outputs",
-    "guided_decoding_backend": "structured outputs",
-    "guided_whitespace_pattern": "structured outputs",
-    "structured_outputs": "structured outputs",
+    "guided_decoding_backend": 'structured-output backends other than "xgrammar" (or "auto")',
+    "guided_whitespace_pattern": "a whitespace pattern (JSON outputs are compact: no whitespace but one space after ':' and ',')",
     "chat_template_kwargs": "chat template arguments",
     "chat_template": "a per-request chat template",
     "best_of": "best_of other than n",
@@ -45,21 +38,16 @@ REFUSED = {
 ACCEPTED_WITHOUT_EFFECT = {
     "metadata": "tags for OpenAI's stored completions; this server stores nothing",
     "store": "false only: nothing is stored, which is what false asks",
-    "parallel_tool_calls": "without tools there is nothing to run in parallel",
+    "guided_decoding_backend": '"xgrammar" or "auto" only: the one backend this server has',
 }
 """Fields taken with no effect by design, and why (docs/server.md lists them)."""
 
 
 def _asks_nothing(name: str, value: Any, body: BaseModel) -> bool:
-    tools = getattr(body, "tools", None)
-    if name == "response_format":
-        return value == {"type": "text"}
-    if name == "tool_choice":
-        return value == "none" and tools is None
+    if name == "guided_decoding_backend":
+        return value in ("xgrammar", "auto")
     if name == "function_call":
         return value == "none" and getattr(body, "functions", None) is None
-    if name == "parallel_tool_calls":
-        return isinstance(value, bool) and tools is None
     if name == "best_of":
         return value == getattr(body, "n", 1) and not isinstance(value, bool)
     if name == "modalities":

@@ -1,0 +1,100 @@
+"""Each constrained request's grammar state, and the masks it puts on the rows that sample.
+
+A request's matcher has accepted exactly the output tokens the sampler drew for it, counted, so
+that it follows the request's own count of output tokens as ``penalties.TokenHistory`` does: a
+step that failed after drawing, or whose token was dropped, is rolled back the next time the
+request samples (never accepted twice), and a preempted request keeps its matcher (recompute
+samples nothing new for tokens it has; a prompt prefix served from the prefix cache changes
+nothing, since a matcher reads only output tokens).
+
+The masks are filled on the CPU right before sampling. Overlapping them with the forward pass
+was not worth a thread: a row's fill took 2 to 19 µs on the default model's 262k vocabulary, a
+decode step some milliseconds (docs/server.md). Only the constrained rows are touched: their
+logits are copied out, masked and put back; every other row samples from its logits unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from tandem.core.step import ScheduledChunk
+from tandem.runner.grammar import GrammarCompiler
+
+
+@dataclass
+class _State:
+    matcher: Any
+    accepted: int = 0
+    rejected: int | None = None
+    """A token the matcher refused (it was drawn where no allowed token was left)."""
+
+
+class GrammarMatchers:
+    def __init__(self, compiler: GrammarCompiler) -> None:
+        self.compiler = compiler
+        self._states: dict[str, _State] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def forget(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def _prepare(self, chunk: ScheduledChunk) -> _State:
+        import xgrammar as xgr
+
+        state = self._states.get(chunk.request_id)
+        if state is None:
+            state = _State(xgr.GrammarMatcher(self.compiler.compile(chunk.sampling.constraint)))
+            self._states[chunk.request_id] = state
+        num_output = chunk.end - chunk.num_prompt_tokens
+        if state.accepted > num_output:
+            state.matcher.rollback(state.accepted - num_output)
+            state.accepted = num_output
+            state.rejected = None
+        if state.accepted < num_output:
+            why = f"it refused token {state.rejected}" if state.rejected is not None else "tokens were lost"
+            raise RuntimeError(f"request {chunk.request_id}: its grammar holds {state.accepted} of its "
+                               f"{num_output} output tokens ({why})")
+        return state
+
+    def mask(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """``logits`` [rows, vocab] (a copy of the constrained rows, float32) masked in place to
+        the tokens each row's grammar allows next; a finished grammar allows only end-of-sequence."""
+        import xgrammar as xgr
+
+        rows, vocab = logits.shape
+        bitmask = xgr.allocate_token_bitmask(rows, vocab)
+        for j, chunk in enumerate(chunks):
+            state = self._prepare(chunk)
+            if state.matcher.is_terminated():
+                bitmask[j] = 0
+                for t in self.compiler.stop_token_ids:
+                    bitmask[j, t // 32] |= _bit(t % 32)
+            else:
+                state.matcher.fill_next_token_bitmask(bitmask, j)
+            if not bool(bitmask[j].any()):
+                # raised before anything is drawn, so the step's retry without this request is exact
+                raise ValueError(f"{chunk.sampling.constraint.field}: no token of the model's vocabulary "
+                                 f"can continue the output here (after {state.accepted} tokens)")
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab)
+        return logits
+
+    def accept(self, request_ids: Sequence[str], tokens: Sequence[int]) -> None:
+        """The tokens drawn for constrained requests (after every row of the step is drawn)."""
+        for rid, tok in zip(request_ids, tokens):
+            state = self._states.get(rid)
+            if state is None or state.rejected is not None:
+                continue
+            if state.matcher.is_terminated() or not state.matcher.accept_token(tok):
+                state.rejected = tok
+            else:
+                state.accepted += 1
+
+
+def _bit(i: int) -> int:
+    """Bit ``i`` of an int32 bitmask word (bit 31 is the sign bit)."""
+    return (1 << i) - (1 << 32) if i == 31 else 1 << i
