@@ -55,29 +55,23 @@ class Timed:
         self.matchers = matchers
         self.fill = self.apply = self.accept = 0.0
         self.rows = 0
-        self._mask, self._accept = matchers.mask, matchers.accept
-        matchers.mask, matchers.accept = self.mask, self.accept_tokens
+        self._fill, self._apply, self._accept = matchers.fill, matchers.apply, matchers.accept
+        matchers.fill, matchers.apply, matchers.accept = self.fill_masks, self.apply_masks, self.accept_tokens
 
-    def mask(self, logits, chunks):
-        import xgrammar as xgr
-
+    def fill_masks(self, chunks, vocab):
         start = time.perf_counter()
-        real_apply = xgr.apply_token_bitmask_inplace
-        spent = {"apply": 0.0}
-
-        def timed_apply(*args, **kwargs):
-            t = time.perf_counter()
-            real_apply(*args, **kwargs)
-            spent["apply"] += time.perf_counter() - t
-
-        xgr.apply_token_bitmask_inplace = timed_apply
         try:
-            return self._mask(logits, chunks)
+            return self._fill(chunks, vocab)
         finally:
-            xgr.apply_token_bitmask_inplace = real_apply
-            self.fill += time.perf_counter() - start - spent["apply"]
-            self.apply += spent["apply"]
+            self.fill += time.perf_counter() - start
             self.rows += len(chunks)
+
+    def apply_masks(self, logits, bitmask):
+        start = time.perf_counter()
+        try:
+            return self._apply(logits, bitmask)
+        finally:
+            self.apply += time.perf_counter() - start
 
     def accept_tokens(self, request_ids, tokens):
         start = time.perf_counter()

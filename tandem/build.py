@@ -232,7 +232,7 @@ def engine_for(
         raise ValueError("kv_cache_memory_gib: too small for a single KV-cache block")
     layout = KVLayout(num_blocks, config.cache.block_size)
     if loaded.grammar is None:
-        loaded.grammar = GrammarCompiler(loaded.tokenizer, loaded.spec.vocab_size, config.model.grammar_cache_mib)
+        loaded.grammar = GrammarCompiler(loaded.tokenizer, loaded.spec.vocab_size, config.model.grammar_cache_size)
     runner = ModelRunner(loaded.model, layout, loaded.device, loaded.dtype, config.model.seed,
                          loaded.tokenizer.eos_token_ids, loaded.grammar)
     key = (layout.num_blocks, layout.block_size)

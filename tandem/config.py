@@ -221,8 +221,8 @@ class ModelConfig:
         default=None, metadata=_help("where converted models are cached; default: the user cache dir")
     )
     seed: int = field(default=0, metadata=_help("seed for requests that do not set their own"))
-    grammar_cache_mib: int = field(default=64, metadata=_help(
-        "memory for compiled structured-output grammars (JSON schemas, regexes, grammars), least "
+    grammar_cache_size: int = field(default=256, metadata=_help(
+        "compiled structured-output grammars (JSON schemas, regexes, grammars) kept for reuse, least "
         "recently used evicted first"))
     kernels: str = field(
         default="auto",
@@ -251,7 +251,7 @@ class ModelConfig:
             _positive_int("max_model_len", self.max_model_len)
         if self.threads is not None:
             _positive_int("threads", self.threads)
-        _positive_int("grammar_cache_mib", self.grammar_cache_mib)
+        _positive_int("grammar_cache_size", self.grammar_cache_size)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
 

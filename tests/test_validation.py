@@ -148,7 +148,9 @@ CASES = [
     (CMPL, cmpl('"best_of": 2, "n": 2'), 200, None),
     (CMPL, cmpl('"best_of": 1'), 200, None),
     (CMPL, cmpl('"guided_regex": "("'), 400, "guided_regex"),
-    (CMPL, cmpl('"guided_regex": "w[0-9]"'), 200, None),
+    # this tiny model's word-level vocabulary cannot spell the text a grammar forces ("w" alone):
+    # refused, naming the field (a byte-level vocabulary is served: tests/test_structured_outputs.py)
+    (CMPL, cmpl('"guided_regex": "w[0-9]"'), 400, "guided_regex"),
     (CMPL, cmpl('"guided_choice": []'), 400, "guided_choice"),
     (CMPL, cmpl('"guided_choice": ["w5"], "guided_regex": "w5"'), 400, "guided_choice"),
     (CHAT, chat('"guided_json": "{"'), 400, "guided_json"),
@@ -157,7 +159,7 @@ CASES = [
     (CHAT, chat('"structured_outputs": {"regex": "a", "choice": ["b"]}'), 400, "structured_outputs"),
     (CHAT, chat('"structured_outputs": {"regex": "(", "foo": 1}'), 400, "structured_outputs.foo"),
     (CHAT, chat('"structured_outputs": {"regex": "("}'), 400, "structured_outputs.regex"),
-    (CMPL, cmpl('"guided_decoding_backend": "xgrammar", "guided_regex": "w5"'), 200, None),
+    (CMPL, cmpl('"guided_decoding_backend": "guidance", "guided_regex": "w5"'), 400, "guided_regex"),
     (CMPL, cmpl('"guided_decoding_backend": "outlines"'), 400, "guided_decoding_backend"),
     (CMPL, cmpl('"guided_whitespace_pattern": " "'), 400, "guided_whitespace_pattern"),
     (CMPL, cmpl('"tools": []'), 400, "tools"),

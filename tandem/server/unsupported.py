@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 REFUSED = {
     "functions": "function calls",
     "function_call": 'function calls (only "none" is served)',
-    "guided_decoding_backend": 'structured-output backends other than "xgrammar" (or "auto")',
+    "guided_decoding_backend": 'structured-output backends other than "guidance" (llguidance) or "auto"',
     "guided_whitespace_pattern": "a whitespace pattern (JSON outputs are compact: no whitespace but one space after ':' and ',')",
     "chat_template_kwargs": "chat template arguments",
     "chat_template": "a per-request chat template",
@@ -38,14 +38,14 @@ REFUSED = {
 ACCEPTED_WITHOUT_EFFECT = {
     "metadata": "tags for OpenAI's stored completions; this server stores nothing",
     "store": "false only: nothing is stored, which is what false asks",
-    "guided_decoding_backend": '"xgrammar" or "auto" only: the one backend this server has',
+    "guided_decoding_backend": '"guidance" (llguidance) or "auto" only: the one backend this server has',
 }
 """Fields taken with no effect by design, and why (docs/server.md lists them)."""
 
 
 def _asks_nothing(name: str, value: Any, body: BaseModel) -> bool:
     if name == "guided_decoding_backend":
-        return value in ("xgrammar", "auto")
+        return value in ("guidance", "auto")
     if name == "function_call":
         return value == "none" and getattr(body, "functions", None) is None
     if name == "best_of":
