@@ -239,3 +239,37 @@ def test_short_tune_of_a_launched_tandem_server(tiny, tmp_path, workload):
     assert data["launched"] and data["engine"] == "tandem" and data["command"] == result.command
     assert all(len(t["server_logs"]) == 1 for t in data["trials"])
     assert (tmp_path / "tune" / "pareto.png").is_file()
+
+
+def test_simulated_search_confirms_its_leaders_on_launched_servers(tmp_path, workload):
+    # the search runs in the simulator over llama-server's knobs only; the leaders are launched
+    cmd = f"{PY} -c 'import sys; print(\"out of memory\"); sys.exit(1)' {{port}}"
+    cfg = TuneConfig(workload=workload, slo_ttft_ms=10_000, slo_itl_ms=100, chunk_sizes="64,256,1024",
+                     max_num_seqs_values="8,32", max_trials=4, simulate="h100-sxm/llama-3.1-8b", confirm=2,
+                     server_cmd=cmd, engine="llama-server", result_dir=str(tmp_path / "t"), startup_timeout=5)
+    out = run_tune(cfg, EngineConfig())
+    assert all("long_prefill_token_threshold" not in t.overrides and "target_itl_ms" not in t.overrides
+               for t in out["result"].trials)
+    rows = out["confirmed"]["rows"]
+    assert len(rows) == 2 and all("exited (1)" in r["error"] for r in rows)
+    assert not out["confirmed"]["best_meets_slos"]
+    assert " -b " in out["confirmed"]["command"] and out["confirmed"]["command"].endswith("--metrics")
+    assert len(list((tmp_path / "t" / "logs").glob("*.log"))) == 2
+
+
+def test_compare_configs_render_through_a_preset(tmp_path):
+    from tandem.bench.evaluate import Candidate
+    from tandem.bench.launched import from_config
+    from tandem.bench.config import CompareConfig
+
+    ev = LaunchedEvaluator(tmp_path, None, command="vllm serve m", engine="vllm")
+    cand = Candidate.parse("small:policy=chunked,max_num_batched_tokens=256,max_num_seqs=16")
+    assert ev.argv(cand, 4321) == ["vllm", "serve", "m", "--port", "4321", "--enable-chunked-prefill",
+                                   "--max-num-batched-tokens", "256", "--max-num-seqs", "16"]
+    assert ev.candidates is None  # compare's --configs stay the configurations
+    with pytest.raises(ValueError, match="not both"):
+        from_config(CompareConfig(server=("a=srv {port}",), server_cmd="srv"), EngineConfig())
+    with pytest.raises(ValueError, match="engine: needs --server-cmd"):
+        from_config(CompareConfig(engine="vllm"), EngineConfig())
+    with pytest.raises(ValueError, match="expected NAME=COMMAND"):
+        from_config(CompareConfig(server=("srv {port}",)), EngineConfig())
