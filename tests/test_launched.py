@@ -269,6 +269,8 @@ def test_compare_configs_render_through_a_preset(tmp_path):
     assert ev.candidates is None  # compare's --configs stay the configurations
     with pytest.raises(ValueError, match="not both"):
         from_config(CompareConfig(server=("a=srv {port}",), server_cmd="srv"), EngineConfig())
+    with pytest.raises(ValueError, match="configs: not with --server"):
+        from_config(CompareConfig(server=("a=srv {port}",), configs=("policy=static",)), EngineConfig())
     with pytest.raises(ValueError, match="engine: needs --server-cmd"):
         from_config(CompareConfig(engine="vllm"), EngineConfig())
     with pytest.raises(ValueError, match="expected NAME=COMMAND"):

@@ -69,11 +69,18 @@ class ServerProcess:
         if log_path is None:
             threading.Thread(target=self._drain, daemon=True).start()
         self.pgid = self.proc.pid
+        try:
+            self._wait_ready(startup_timeout, health_path, fallback_path)
+        except BaseException:  # an interrupt while it starts must not leave it running either
+            self._kill_group()
+            self.proc.wait()
+            raise
+
+    def _wait_ready(self, startup_timeout: float, health_path: str, fallback_path: str | None) -> None:
         deadline = time.time() + startup_timeout
         path = health_path
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                self._kill_group()
                 raise RuntimeError(f"{Path(self.cmd[0]).name} exited ({self.proc.returncode}):\n{self._tail()}")
             try:
                 code = httpx.get(self.url + path, timeout=1).status_code
@@ -85,8 +92,6 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        self._kill_group()
-        self.proc.wait()
         raise RuntimeError(f"{Path(self.cmd[0]).name} did not become healthy within {startup_timeout:g} s:\n"
                            f"{self._tail()}")
 

@@ -146,6 +146,9 @@ def from_config(cfg, base, tokenizer_path: str | None = None) -> LaunchedEvaluat
         if cfg.engine:
             raise ValueError("engine: needs --server-cmd (the base command the preset adds flags to)")
         return None
+    if servers and getattr(cfg, "configs", ()):
+        raise ValueError("configs: not with --server (each --server is a configuration; use --server-cmd and "
+                         "--engine to run --configs on launched servers)")
     if servers and cfg.server_cmd:
         raise ValueError("server: give either --server NAME=COMMAND (whole commands) or --server-cmd with "
                          "--configs, not both")
