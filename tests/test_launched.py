@@ -191,7 +191,7 @@ def test_tune_survives_servers_that_never_start(tmp_path, workload):
     assert len(result.trials) == 3 and sorted(len(t.runs) for t in result.trials) == [1, 2, 2]
     assert len(list((tmp_path / "t" / "logs").glob("*.log"))) == 5
     md = (tmp_path / "t" / "tune.md").read_text()
-    assert "## Failed trials" in md and "no GPU" in md and "does NOT meet the SLOs" in md
+    assert "## Failed trials" in md and "no GPU" in md and "every trial's server failed" in md
 
 
 # --- tandem serve as the launched command ---------------------------------------------------------------

@@ -58,7 +58,8 @@ def write_tune_report(out: Path, result: TuneResult, slo: SLO, meta: dict) -> li
         ax.legend(fontsize=8)
     save_figure(fig, out / "pareto.png")
     b = result.best.summary
-    verdict = ("meets the SLOs" if result.feasible else
+    verdict = ("FAILED: every trial's server failed (see *Failed trials*), so this is no recommendation"
+               if all(t.error for t in result.trials) else "meets the SLOs" if result.feasible else
                f"does NOT meet the SLOs: no configuration tried did; this is the nearest miss "
                f"(worst measured/allowed ratio {slo.worst_ratio(b):.2f})")
     md = [f"# Tuning{' (simulated search)' if meta.get('simulated') else ''}: {meta.get('workload', '')}", "",
