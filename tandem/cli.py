@@ -155,8 +155,8 @@ def _compare_parser(sub) -> None:
         sub,
         "compare",
         help="run one workload against several scheduler configurations and report side by side",
-        description="Each configuration runs on a fresh engine in this process with the same requests; the "
-        "report has throughput, TTFT/ITL percentiles, stalls, goodput, utilization, ITL timelines and step mix.",
+        description="Each configuration runs on a fresh engine in this process with the same requests, or on a "
+        "server that compare launches (--server, --server-cmd with --engine); the report has throughput, TTFT/ITL percentiles, stalls, goodput, utilization, ITL timelines and step mix.",
     )
     add_dataclass_args(p, CompareConfig, "compare options")
     add_engine_args(p, skip=("seed",))
@@ -165,7 +165,8 @@ def _compare_parser(sub) -> None:
         "tune",
         help="search chunk size and batch limits for the highest goodput within latency SLOs",
         description="Coarse-to-fine search over max_num_batched_tokens, max_num_seqs and the long-prompt caps "
-        "of the chunked policy; re-measures the leaders; prints the tandem serve command of the best.",
+        "of the chunked policy, in this process or on servers it launches (--server-cmd, --engine); re-measures "
+        "the leaders; prints the command line of the best.",
     )
     add_dataclass_args(t, TuneConfig, "tune options")
     add_engine_args(t, skip=("seed",))
@@ -199,10 +200,12 @@ def _run_compare(args: argparse.Namespace) -> int:
     from tandem.bench.compare import run_compare
     from tandem.bench.config import CompareConfig
 
+    from tandem.bench.launched import from_config
+
     cfg = dataclass_from_args(CompareConfig, args)
     base = engine_config_from_args(args, seed=cfg.seed)
     out = run_compare(None if cfg.workload else cfg.scenario, cfg.workload, list(cfg.configs), base,
-                      cfg.result_dir, list(cfg.goodput), cfg.seed, cfg.max_duration)
+                      cfg.result_dir, list(cfg.goodput), cfg.seed, cfg.max_duration, evaluator=from_config(cfg, base))
     return _print_report(Path(cfg.result_dir, "compare.md"), out["paths"])
 
 

@@ -2,7 +2,8 @@
 
 Each configuration runs on a fresh engine (the model is loaded once and shared; the KV cache,
 scheduler and sampler are new) with the same seed and the same requests at the same times,
-in-process, so the figures differ only by the scheduling settings. A scenario may bring its own
+in-process, so the figures differ only by the scheduling settings; or each configuration is a
+server that compare launches and stops (``tandem.bench.launched``). A scenario may bring its own
 configurations (power-user: fcfs against vtc) and may be several loads asked the same question
 (itl-target: one report per load, and an index).
 """
@@ -27,8 +28,9 @@ def run_compare(scenario: str | None, workload_path: str | None, configs: list[s
     scenario = scenario if workload_path or scenario else "equal"
     sc = None if workload_path else SCENARIOS.get(scenario)
     configs = list(configs or (sc.configs if sc and sc.configs else DEFAULT_CONFIGS))
-    for c in configs:  # a typo fails before the model loads
-        Candidate.parse(c)
+    if getattr(evaluator, "candidates", None) is None:
+        for c in configs:  # a typo fails before the model loads
+            Candidate.parse(c)
     evaluator = evaluator or InProcessEvaluator(base)
     if sc and sc.loads:
         runs = {load: _compare_one(load, None, configs, base, str(Path(result_dir) / load), goodput, seed,
@@ -42,7 +44,7 @@ def run_compare(scenario: str | None, workload_path: str | None, configs: list[s
 
 def _compare_one(scenario: str | None, workload_path: str | None, configs: list[str], base: EngineConfig,
                  result_dir: str, goodput: list[str] | None, seed: int, max_duration: float, evaluator) -> dict:
-    candidates = [Candidate.parse(c) for c in configs]
+    candidates = getattr(evaluator, "candidates", None) or [Candidate.parse(c) for c in configs]
     slos = parse_goodput(goodput)
     tok = PlainTokenizer(evaluator.tokenizer)
     requests, offsets, title, description, seqs = scenario_requests(scenario, workload_path, tok, seed)

@@ -40,8 +40,36 @@ def table(evaluations: list[Evaluation]) -> str:
             f"| {r['config']} | {_f(r['output_throughput'])} | {_f(r['total_token_throughput'])} | "
             f"{_f(r['median_ttft_ms'], 0)} / {_f(r['p99_ttft_ms'], 0)} | {_f(r['median_itl_ms'], 0)} / "
             f"{_f(r['p99_itl_ms'], 0)} | {_f(r['p99_stall_ms'], 0)} | {_f(r['request_goodput'], 3)} | {util} | "
-            f"{r['preemptions']} | {r['recomputed_tokens']:,} | {r['prefill_tokens']:,} / {r['cached_tokens']:,} |")
+            f"{_n(r['preemptions'])} | {_n(r['recomputed_tokens'])} | {r['prefill_tokens']:,} / {r['cached_tokens']:,} |")
     return "\n".join(lines)
+
+
+def _positive(v) -> bool:
+    return v is not None and not math.isnan(v) and v > 0
+
+
+def _n(v) -> str:
+    return "n/a" if v is None else f"{v:,}"
+
+
+def servers_section(evaluations: list[Evaluation], meta: dict) -> list[str]:
+    """Launched servers: each configuration's command and log, and why a failed one failed."""
+    launched = [e for e in evaluations if e.server is not None]
+    if not launched:
+        return []
+    engine = meta.get("engine")
+    md = ["## Servers", "", "Each configuration was a server started for its run, warmed up, measured over HTTP "
+          "and stopped" + (f"; engine preset `{engine}`, flags checked against {meta['engine_checked']}"
+                           if meta.get("engine_checked") else "") + ".", ""]
+    for e in launched:
+        srv = e.server
+        md += [f"- **{e.candidate.name}**" + (f" — FAILED: {srv['error']}" if srv["error"] else "") +
+               f" (log: `{Path(srv['log']).name}`)", "", f"      {srv['command']}", ""]
+        if srv.get("not_applied"):
+            md += [f"  not applied (no placeholder in the command): {', '.join(srv['not_applied'])}", ""]
+        if srv["error"]:
+            md += ["  ```", *("  " + line for line in (srv["log_tail"] or "").splitlines()), "  ```", ""]
+    return md
 
 
 def plot_ttft_vs_throughput(evaluations: list[Evaluation], path: Path) -> None:
@@ -55,7 +83,8 @@ def plot_ttft_vs_throughput(evaluations: list[Evaluation], path: Path) -> None:
         ax.annotate(e.candidate.name, (x, s["p99_ttft_ms"]), textcoords="offset points", xytext=(5, 5), fontsize=8)
     ax.set_xlabel("output throughput (tokens/s)")
     ax.set_ylabel("TTFT (ms): circle p50, triangle p99")
-    ax.set_yscale("log")
+    if any(_positive(e.summary["p99_ttft_ms"]) for e in evaluations):  # not when every configuration failed
+        ax.set_yscale("log")
     ax.set_title("TTFT vs throughput (right and low is better)")
     ax.grid(alpha=0.3)
     save_figure(fig, path)
@@ -106,18 +135,25 @@ def write_compare_report(out: Path, evaluations: list[Evaluation], meta: dict) -
     (out / "compare.json").write_text(results_json(evaluations, {**meta, **breakdown.json_data(evaluations)}) + "\n")
     plot_ttft_vs_throughput(evaluations, out / PLOTS[0])
     plot_itl_timelines(evaluations, out / PLOTS[1])
-    plot_step_mix(evaluations, out / PLOTS[2])
     plots = list(PLOTS)
+    if any(e.steps for e in evaluations):
+        plot_step_mix(evaluations, out / PLOTS[2])
+    else:  # launched servers: their steps are not seen from outside
+        plots.remove(PLOTS[2])
     md = [f"# Comparison{' (simulated)' if meta.get('simulated') else ''}: {meta['scenario']}", "",
           meta["description"], "",
           f"{meta['num_requests']} requests, the same for every configuration (seed {meta['seed']}).", ""]
     if meta.get("simulated"):
         md += [f"SIMULATED, not measured: the real scheduler on a virtual clock, steps priced by the "
                f"{meta['profile']}. Seconds are virtual.", ""]
+    if meta.get("launched"):
+        md += ["LAUNCHED: every configuration is a server process measured over HTTP (see *Servers* below); "
+               "MFU/MBU, preemptions and the step mix are not seen from outside.", ""]
     md += [table(evaluations), ""]
     if meta.get("goodput_slos_ms"):
         md += ["Goodput SLOs: " + ", ".join(f"{k} <= {v:g} ms" for k, v in meta["goodput_slos_ms"].items()), ""]
     md += _extra_sections(evaluations, out, plots)
+    md += servers_section(evaluations, meta)
     md += [f"![{p}]({p})" for p in plots]
     text = "\n".join(md) + "\n"
     (out / "compare.md").write_text(text)

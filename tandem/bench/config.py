@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tandem.bench.presets import ENGINES
 from tandem.bench.scenarios import SCENARIOS, scenarios_help
 from tandem.bench.workload import DATASETS, DISTS, PROCESSES
 from tandem.config import _help
@@ -127,6 +128,22 @@ class CompareConfig:
     result_dir: str = field(default="compare-results", metadata=_help("where the report goes"))
     seed: int = field(default=0, metadata=_help("seed of the requests (the same for every configuration)"))
     max_duration: float = field(default=1800.0, metadata=_help("seconds each configuration may run"))
+    server: tuple[str, ...] = field(default=(), metadata=_help(
+        "NAME=COMMAND: a launched server as one configuration (repeatable; replaces --configs); the command's "
+        "{port} (and {model}) placeholders are filled for each run", action="append"))
+    server_cmd: str | None = field(default=None, metadata=_help(
+        "launch this server command for every configuration of --configs: placeholders {port}, {model} and scheduler settings such as "
+        "{max_num_batched_tokens} and {max_num_seqs}; with --engine the knobs are added as that engine's flags"))
+    engine: str | None = field(default=None, metadata=_help(
+        "with --server-cmd: the engine preset that maps tandem's knob names to its flags and says which knobs "
+        "exist: " + ", ".join(ENGINES), choices=ENGINES))
+    tokenizer: str | None = field(default=None, metadata=_help(
+        "launched servers: the tokenizer prompts are cut with (HF directory or .gguf); default: --model's when "
+        "it is a local path, else the embedded Gemma 3 270M's"))
+    startup_timeout: float = field(default=600.0, metadata=_help(
+        "launched servers: seconds a server may take to answer /health (or /v1/models) before its trial fails"))
+    stop_timeout: float = field(default=30.0, metadata=_help(
+        "launched servers: seconds between SIGTERM to the server's process group and SIGKILL"))
 
 
 @dataclass(frozen=True)
@@ -155,6 +172,19 @@ class TuneConfig:
         "then confirm the leaders on the real engine"))
     confirm: int = field(default=3, metadata=_help(
         "with --simulate: how many of the best simulated candidates to measure on the real engine (0: none)"))
+    server_cmd: str | None = field(default=None, metadata=_help(
+        "launch this server command for every trial: placeholders {port}, {model} and scheduler settings such as "
+        "{max_num_batched_tokens} and {max_num_seqs}; with --engine the knobs are added as that engine's flags"))
+    engine: str | None = field(default=None, metadata=_help(
+        "with --server-cmd: the engine preset that maps tandem's knob names to its flags and says which knobs "
+        "exist: " + ", ".join(ENGINES), choices=ENGINES))
+    tokenizer: str | None = field(default=None, metadata=_help(
+        "launched servers: the tokenizer prompts are cut with (HF directory or .gguf); default: --model's when "
+        "it is a local path, else the embedded Gemma 3 270M's"))
+    startup_timeout: float = field(default=600.0, metadata=_help(
+        "launched servers: seconds a server may take to answer /health (or /v1/models) before its trial fails"))
+    stop_timeout: float = field(default=30.0, metadata=_help(
+        "launched servers: seconds between SIGTERM to the server's process group and SIGKILL"))
 
     def targets(self) -> list[float]:
         """The ITL targets (ms) to try: the fractions of the ITL SLO, one decimal."""

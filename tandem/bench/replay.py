@@ -19,14 +19,17 @@ import httpx
 from tandem.bench.client import RequestResult, request_body, send
 from tandem.bench.workload import ArrivalSpec
 
-# Gauges read from /metrics while a run goes; tandem's names first, vLLM's as fallbacks.
 from tandem.bench.prompts import BenchRequest
 
-# Gauges read from /metrics while a run goes; tandem's names first, vLLM's as fallbacks.
+# Gauges read from /metrics while a run goes; tandem's names first, then vLLM's, SGLang's and
+# llama-server's (the engine presets of tandem.bench.presets say which switch turns them on).
 SCRAPED = {
-    "running": ("tandem:num_requests_running", "vllm:num_requests_running"),
-    "waiting": ("tandem:num_requests_waiting", "vllm:num_requests_waiting"),
-    "kv_usage": ("tandem:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "running": ("tandem:num_requests_running", "vllm:num_requests_running", "sglang:num_running_reqs",
+                "llamacpp:requests_processing"),
+    "waiting": ("tandem:num_requests_waiting", "vllm:num_requests_waiting", "sglang:num_queue_reqs",
+                "llamacpp:requests_deferred"),
+    "kv_usage": ("tandem:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
+                 "sglang:token_usage"),
     "mfu": ("tandem:model_flops_utilization",),
     "mbu": ("tandem:memory_bandwidth_utilization",),
     "busy": ("tandem:engine_busy_fraction",),

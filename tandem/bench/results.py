@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 
 from tandem.bench.evaluate import Evaluation
+from tandem.bench.summary import counter_delta
 
 
 def row(ev: Evaluation) -> dict:
     s = ev.summary
-    return {
+    out = {
         "config": ev.candidate.name, **ev.candidate.overrides,
         "completed": s["completed"], "failed": s["failed"],
         "output_throughput": s["output_throughput"], "total_token_throughput": s["total_token_throughput"],
@@ -22,6 +23,12 @@ def row(ev: Evaluation) -> dict:
         "cached_tokens": sum(s.num_cached_tokens for s in ev.steps),
         "steps": len(ev.steps),
     }
+    if ev.server is not None:  # a launched server: what its responses and /metrics said, not its steps
+        cached = s.get("cached_prompt_tokens", 0)
+        recomputed = counter_delta(ev.data.samples, "recomputed_tokens")
+        out.update(recomputed_tokens=int(recomputed) if recomputed is not None else None, cached_tokens=cached,
+                   prefill_tokens=s["total_input_tokens"] - cached, steps=None, server=ev.server)
+    return out
 
 
 def results_json(evaluations: list[Evaluation], meta: dict) -> str:

@@ -72,10 +72,15 @@ class Trial:
     def key(self) -> tuple:
         return tuple(sorted(self.overrides.items()))
 
+    @property
+    def error(self) -> str | None:
+        """Why a launched server's run failed (it did not start, died, or hung), if one did."""
+        return next((r["server_error"] for r in self.runs if r.get("server_error")), None)
+
 
 def rank(trial: Trial, slo: SLO) -> tuple:
     s = trial.summary
-    feasible = s["failed"] == 0 and slo.worst_ratio(s) <= 1.0
+    feasible = s["failed"] == 0 and not trial.error and slo.worst_ratio(s) <= 1.0
     if feasible:
         return (1, _num(s["request_goodput"]), _num(s["output_throughput"]))
     return (0, -slo.worst_ratio(s), _num(s["output_throughput"]))
@@ -124,9 +129,11 @@ def tune(
     log: Callable[[str], None] = lambda _: None,
     targets: Sequence[float] = (),
     fixed: dict[str, Any] | None = None,
+    render: Callable[[dict[str, Any]], str] | None = None,
 ) -> TuneResult:
     """``targets``: ITL targets (ms) to try beside the budgets; ``fixed``: settings every trial
-    gets (e.g. ``{"fairness": "vtc"}``)."""
+    gets (e.g. ``{"fairness": "vtc"}``); ``render``: the command line of a configuration
+    (default: ``tandem serve`` flags after ``base_command``)."""
     slo.validate()
     chunks, seqs, targets = sorted(set(chunks)), sorted(set(seqs)), sorted(set(targets))
     trials: dict[tuple, Trial] = {}
@@ -145,7 +152,7 @@ def tune(
         s = t.summary
         log(f"{_label(overrides)}: {s['output_throughput']:.1f} tok/s, TTFT p99 {s['p99_ttft_ms']:.0f} ms, "
             f"ITL p99 {s['p99_itl_ms']:.0f} ms, goodput {_num(s['request_goodput']):.3f} req/s"
-            + (" (meets SLOs)" if is_feasible(t, slo) else ""))
+            + (" (meets SLOs)" if is_feasible(t, slo) else "") + (f" FAILED: {t.error}" if t.error else ""))
         return t
 
     def best_of() -> Trial:
@@ -190,7 +197,7 @@ def tune(
     best = best_of()
     all_trials = sorted(trials.values(), key=lambda t: rank(t, slo), reverse=True)
     return TuneResult(best, is_feasible(best, slo), all_trials, pareto(all_trials),
-                      serve_command(base_command, best.overrides))
+                      render(best.overrides) if render else serve_command(base_command, best.overrides))
 
 
 def _label(o: dict[str, Any]) -> str:

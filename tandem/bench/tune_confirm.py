@@ -22,7 +22,7 @@ def _error(predicted, measured) -> float | None:
 
 
 def confirm(result: TuneResult, slo: SLO, measure: Callable[[dict[str, Any]], dict], top: int,
-            base_command: str, log: Callable[[str], None] = lambda _: None) -> dict:
+            base_command: str | Callable[[dict[str, Any]], str], log: Callable[[str], None] = lambda _: None) -> dict:
     """Measure the ``top`` best simulated trials for real; -> rows and the measured winner."""
     rows, measured = [], []
     for trial in result.trials[:top]:
@@ -30,7 +30,8 @@ def confirm(result: TuneResult, slo: SLO, measure: Callable[[dict[str, Any]], di
         real = Trial(trial.overrides, [summary])
         measured.append(real)
         predicted = {**trial.runs[0], **trial.summary}
-        row = {"config": trial.overrides, "label": _label(trial.overrides), "meets_slos": is_feasible(real, slo)}
+        row = {"config": trial.overrides, "label": _label(trial.overrides), "meets_slos": is_feasible(real, slo),
+               "error": real.error}
         for key, _ in COMPARED:
             row[key] = {"predicted": predicted.get(key), "measured": summary.get(key),
                         "error": _error(predicted.get(key), summary.get(key))}
@@ -40,7 +41,8 @@ def confirm(result: TuneResult, slo: SLO, measure: Callable[[dict[str, Any]], di
     best = max(measured, key=lambda t: rank(t, slo)) if measured else None
     return {"rows": rows, "best": best.overrides if best else None,
             "best_meets_slos": bool(best and is_feasible(best, slo)),
-            "command": serve_command(base_command, best.overrides) if best else None}
+            "command": (base_command(best.overrides) if callable(base_command)
+                        else serve_command(base_command, best.overrides)) if best else None}
 
 
 def write_confirm(out: Path, confirmed: dict, profile: str) -> list[Path]:

@@ -20,7 +20,11 @@ def write_tune_report(out: Path, result: TuneResult, slo: SLO, meta: dict) -> li
     out.mkdir(parents=True, exist_ok=True)
 
     def entry(t: Trial) -> dict:
-        return {"config": t.overrides, "runs": len(t.runs), "meets_slos": is_feasible(t, slo), **t.summary}
+        out = {"config": t.overrides, "runs": len(t.runs), "meets_slos": is_feasible(t, slo), **t.summary}
+        logs = [r["server_log"] for r in t.runs if r.get("server_log")]
+        if logs:  # a launched server's trial
+            out.update(server_logs=logs, error=t.error)
+        return out
 
     kinds = best_by_kind(result, slo)
     data = {**meta, "recommends": "target" if is_target(result.best) else "budget",
@@ -46,14 +50,16 @@ def write_tune_report(out: Path, result: TuneResult, slo: SLO, meta: dict) -> li
             ax.axhline(limit, color="gray", linestyle="--", label="SLO")
         ax.set_xlabel("output throughput (tokens/s)")
         ax.set_ylabel(f"{title} (ms)")
-        ax.set_yscale("log")
+        if any(t.summary[key] > 0 for t in result.trials):  # NaN compares false: every trial failed
+            ax.set_yscale("log")
         ax.set_title(f"{title} vs throughput: green meets the SLOs, circles are the Pareto front")
         ax.title.set_fontsize(9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     save_figure(fig, out / "pareto.png")
     b = result.best.summary
-    verdict = ("meets the SLOs" if result.feasible else
+    verdict = ("FAILED: every trial's server failed (see *Failed trials*), so this is no recommendation"
+               if all(t.error for t in result.trials) else "meets the SLOs" if result.feasible else
                f"does NOT meet the SLOs: no configuration tried did; this is the nearest miss "
                f"(worst measured/allowed ratio {slo.worst_ratio(b):.2f})")
     md = [f"# Tuning{' (simulated search)' if meta.get('simulated') else ''}: {meta.get('workload', '')}", "",
@@ -64,6 +70,9 @@ def write_tune_report(out: Path, result: TuneResult, slo: SLO, meta: dict) -> li
           f"**Best: {_label(result.best.overrides)}** — {verdict}: {b['output_throughput']:.1f} output tok/s, "
           f"goodput {_num(b['request_goodput']):.3f} req/s, TTFT p99 {b['p99_ttft_ms']:.0f} ms, "
           f"ITL p99 {b['p99_itl_ms']:.0f} ms (medians of {len(result.best.runs)} runs).", "",
+          *([f"LAUNCHED: every trial started `{meta['server_cmd']}` (engine preset {meta['engine']}"
+             + (f", flags checked against {meta['engine_checked']}" if meta.get("engine_checked") else "")
+             + "), measured it over HTTP and stopped it; logs are in `logs/`.", ""] if meta.get("launched") else []),
           "```bash", result.command, "```", "", *recommendation(result, slo),
           "| configuration | runs | output tok/s | goodput req/s | TTFT p99 ms | ITL p99 ms | meets SLOs | Pareto |",
           "|---|---|---|---|---|---|---|---|"]
@@ -72,6 +81,7 @@ def write_tune_report(out: Path, result: TuneResult, slo: SLO, meta: dict) -> li
         md.append(f"| {_label(t.overrides)} | {len(t.runs)} | {s['output_throughput']:.1f} | "
                   f"{_num(s['request_goodput']):.3f} | {s['p99_ttft_ms']:.0f} | {s['p99_itl_ms']:.0f} | "
                   f"{'yes' if is_feasible(t, slo) else 'no'} | {'*' if t.key() in front else ''} |")
+    md += failed_trials(result)
     md += ["", "![Pareto front](pareto.png)"]
     (out / "tune.md").write_text("\n".join(md) + "\n")
     return [out / "tune.json", out / "tune.md", out / "pareto.png"]
@@ -95,3 +105,14 @@ def recommendation(result: TuneResult, slo: SLO) -> list[str]:
     winner = "an ITL target" if rank(target, slo) > rank(budget, slo) else "a fixed budget"
     return ["## A budget or an ITL target", "", line("budget", budget), line("target", target), "",
             f"Recommended: **{winner}**.", ""]
+
+
+def failed_trials(result: TuneResult) -> list[str]:
+    """Launched servers that did not start, died or hung: the error and the log's last lines."""
+    md = []
+    for t in result.trials:
+        for r in t.runs:
+            if r.get("server_error"):
+                md += [f"- {_label(t.overrides)}: {r['server_error']} (log: `{r['server_log']}`)", "", "  ```",
+                       *("  " + line for line in (r.get("server_log_tail") or "").splitlines()), "  ```", ""]
+    return ["", "## Failed trials", "", *md] if md else []

@@ -1,4 +1,6 @@
-"""Glue for `tandem tune`: measure candidates on the in-process engine against a scenario."""
+"""Glue for `tandem tune`: measure candidates against a scenario, on the in-process engine or on
+servers launched per trial (``--server-cmd``, with an ``--engine`` preset: then only that engine's
+knobs are searched)."""
 
 from __future__ import annotations
 
@@ -38,6 +40,15 @@ def run_tune(cfg: TuneConfig, base: EngineConfig, evaluator=None) -> dict:
     if cfg.confirm < 0:
         raise ValueError(f"confirm: must be >= 0, got {cfg.confirm}")
     profile = None
+    render = None
+    try_long_caps = True
+    launched = evaluator or _launched(cfg, base)
+    if getattr(launched, "run", None) is not None:
+        evaluator = launched
+        chunks, seqs, targets, try_long_caps = _search_space(launched, chunks, seqs, targets, console)
+        render = launched.command_line
+        # a knob the engine lacks, in --fixed, fails here rather than at the first server start
+        render({"policy": "chunked", **fixed, "max_num_batched_tokens": chunks[0], "max_num_seqs": seqs[0]})
     if cfg.simulate:
         from tandem.bench.simulate import SimEvaluator
         from tandem.sim.profile import describe, load_profile
@@ -61,8 +72,11 @@ def run_tune(cfg: TuneConfig, base: EngineConfig, evaluator=None) -> dict:
     measure, (title, description, num_requests) = measurer(search)
     # the simulator gives the same answer every time: measuring a leader again adds nothing
     result = tune(measure, slo, chunks, seqs, repeats=1 if profile else cfg.repeats, max_trials=cfg.max_trials,
-                  base_command=serve_base(base), log=lambda line: console.print(line), targets=targets, fixed=fixed)
+                  try_long_caps=try_long_caps, base_command=serve_base(base), log=lambda line: console.print(line),
+                  targets=targets, fixed=fixed, render=render)
     meta = {"workload": title, "description": description, "num_requests": num_requests, "seed": cfg.seed}
+    if render is not None:
+        meta.update(evaluator.meta, server_cmd=cfg.server_cmd)
     if profile:
         meta["simulated"] = describe(profile)
     paths = write_tune_report(Path(cfg.result_dir), result, slo, meta)
@@ -71,8 +85,36 @@ def run_tune(cfg: TuneConfig, base: EngineConfig, evaluator=None) -> dict:
         from tandem.bench.tune_confirm import confirm, write_confirm
 
         real_measure, _ = measurer(evaluator or InProcessEvaluator(base))
-        out["confirmed"] = confirm(result, slo, real_measure, cfg.confirm, serve_base(base),
+        out["confirmed"] = confirm(result, slo, real_measure, cfg.confirm, render or serve_base(base),
                                    log=lambda line: console.print(line))
         paths += write_confirm(Path(cfg.result_dir), out["confirmed"], describe(profile))
     out["paths"] = [str(p) for p in paths]
     return out
+
+
+def _launched(cfg: TuneConfig, base: EngineConfig):
+    from tandem.bench.launched import from_config
+
+    return from_config(cfg, base)
+
+
+def _search_space(launched, chunks, seqs, targets, console):
+    """Only the knobs the server can be given: a preset's, or the command's placeholders; a knob
+    it lacks keeps one value (and is not set on the server)."""
+    from tandem.bench.presets import tunable
+
+    knobs = tunable(launched.command, launched.preset)
+    if not knobs & {"max_num_batched_tokens", "max_num_seqs"}:
+        raise ValueError("server_cmd: nothing to tune: give --engine, or put {max_num_batched_tokens} and/or "
+                         "{max_num_seqs} in the command")
+    if "max_num_batched_tokens" not in knobs:
+        chunks = chunks[-1:]
+    if "max_num_seqs" not in knobs:
+        seqs = seqs[-1:]
+    if "target_itl_ms" not in knobs:
+        targets = []
+    caps = {"long_prefill_token_threshold", "max_long_partial_prefills"} <= knobs
+    console.print(f"tuning a launched server ({launched.meta['engine']}): "
+                  + ", ".join(k for k in ("max_num_batched_tokens", "max_num_seqs") if k in knobs)
+                  + (", long-prefill caps" if caps else "") + (", ITL targets" if targets else ""))
+    return chunks, seqs, targets, caps
