@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from tandem.core.step import ScheduledChunk
@@ -65,16 +66,17 @@ class GrammarMatchers:
         return self.apply(logits, self.fill(chunks, logits.shape[1]))
 
     def fill(self, chunks: Sequence[ScheduledChunk], vocab: int) -> torch.Tensor:
-        """The rows' bitmasks: bit ``t % 32`` of word ``t // 32`` is set where token ``t`` is allowed."""
+        """The rows' bitmasks: bit ``t % 32`` of word ``t // 32`` is set where token ``t`` is allowed.
+        One row after another: llguidance's thread pool (LLExecutor) was slower here, on 2 cores."""
         bitmask = torch.zeros(len(chunks), (vocab + 31) // 32, dtype=torch.int32)
+        row_bytes = bitmask.shape[1] * bitmask.element_size()
         for j, chunk in enumerate(chunks):
             state = self._prepare(chunk)
             if state.matcher.is_stopped():
                 for t in self.compiler.stop_token_ids:
                     bitmask[j, t // 32] |= _bit(t % 32)
             else:
-                row = bitmask[j]
-                state.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+                state.matcher.unsafe_compute_mask_ptr(bitmask[j].data_ptr(), row_bytes)
             if not bool(bitmask[j].any()):
                 # raised before anything is drawn, so the step's retry without this request is exact
                 raise ValueError(f"{chunk.sampling.constraint.field}: no token of the model's vocabulary "
@@ -83,10 +85,11 @@ class GrammarMatchers:
 
     @staticmethod
     def apply(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-        rows, vocab = logits.shape
-        allowed = (bitmask.to(logits.device).unsqueeze(-1) >> _SHIFTS.to(logits.device)) & 1
-        logits.masked_fill_(allowed.view(rows, -1)[:, :vocab] == 0, float("-inf"))
-        return logits
+        # numpy's unpackbits, then one pass over the row: half the time of unpacking with torch shifts
+        vocab = logits.shape[1]
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
+        allowed = torch.from_numpy(bits.view(np.bool_)).to(logits.device)
+        return torch.where(allowed, logits, _NEG_INF.to(logits.device), out=logits)
 
     def accept(self, request_ids: Sequence[str], tokens: Sequence[int]) -> None:
         """The tokens drawn for constrained requests (after every row of the step is drawn)."""
@@ -100,8 +103,7 @@ class GrammarMatchers:
                 state.accepted += 1
 
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
-"""Bit i of a bitmask word is token 32 * word + i."""
+_NEG_INF = torch.tensor(float("-inf"))
 
 
 def _bit(i: int) -> int:
