@@ -5,7 +5,10 @@ metadata built once per step (``AttentionMetadata``) maps them into padded per-s
 (decodes in one group, prompt chunks in another, so a long chunk does not pad every decode to
 its length) and gathers each sequence's keys through its block table. Masks encode causality,
 each sequence's context length and, for sliding-window layers, the window. No Python loop runs
-over sequences inside the forward pass. Where the op table has a decode-attention kernel (on the
+over sequences inside the forward pass. A prompt group is computed in tiles of ``QUERY_TILE``
+queries, each against only the keys some query of the tile may see (up to the tile's last
+position; for a sliding-window layer, from the window's start at the tile's first), so a long
+chunk costs its causal pairs, not every (query, key) pair, and a sliding-window layer its window. Where the op table has a decode-attention kernel (on the
 CPU in float32 or bfloat16: ``tandem/kernels/decode_attention.c`` and its bf16 form), the decode
 group (one query per sequence) instead runs it: keys and values read through the block tables
 directly, no gathered copy and no mask.
@@ -20,6 +23,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+QUERY_TILE = 256
+"""Queries of a prompt group per SDPA call: small enough that the keys a tile skips (past its last
+query, before a sliding window) are most of what a long chunk would otherwise compute."""
+
 
 @dataclass
 class AttentionGroup:
@@ -32,6 +39,8 @@ class AttentionGroup:
     valid_rows: torch.Tensor | None  # [n_valid] position of each valid slot in [S * Q]; None: all valid
     block_tables: torch.Tensor  # [S, num_blocks] int64, cache block of each sequence's positions
     context_lens: torch.Tensor  # [S] int64, keys each sequence attends to (start + its tokens)
+    min_start: int = 0  # the group's smallest and largest chunk start: query slot q of any
+    max_start: int = 0  # sequence sits at a position in [min_start + q, max_start + q]
 
 
 @dataclass
@@ -116,6 +125,8 @@ def _group(
         valid_rows=None if all_valid else valid.reshape(-1).nonzero().squeeze(1).to(device),
         block_tables=tables.to(device),
         context_lens=(starts + lens).to(device),
+        min_start=min(s for s, _, _ in seqs),
+        max_start=max(s for s, _, _ in seqs),
     )
 
 
@@ -144,8 +155,21 @@ def paged_attention(
         qg = q.index_select(0, g.token_index).view(s, n_q, *q.shape[1:]).transpose(1, 2)  # [S, H, Q, D]
         kg = k_cache.index_select(0, slots).view(s, n_k, *k_cache.shape[1:]).transpose(1, 2)  # [S, KVH, K, D]
         vg = v_cache.index_select(0, slots).view(s, n_k, *v_cache.shape[1:]).transpose(1, 2)
-        mask = g.mask_sliding if sliding and g.mask_sliding is not None else g.mask_full
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=True)
+        windowed = sliding and g.mask_sliding is not None
+        mask = g.mask_sliding if windowed else g.mask_full
+        window = meta.sliding_window if windowed else None
+        if n_q <= QUERY_TILE and not window:
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=True)
+        else:
+            o = qg.new_empty(qg.shape)
+            for q0 in range(0, n_q, QUERY_TILE):
+                q1 = min(n_q, q0 + QUERY_TILE)
+                # every valid query of the tile sees its own position, which lies in [k0, k1)
+                k1 = min(n_k, g.max_start + q1)
+                k0 = max(0, g.min_start + q0 - window + 1) if window else 0
+                o[:, :, q0:q1] = F.scaled_dot_product_attention(
+                    qg[:, :, q0:q1], kg[:, :, k0:k1], vg[:, :, k0:k1], attn_mask=mask[:, :, q0:q1, k0:k1],
+                    scale=scale, enable_gqa=True)
         o = o.transpose(1, 2).reshape(s * n_q, *q.shape[1:])
         if g.valid_rows is not None:
             o = o.index_select(0, g.valid_rows)
