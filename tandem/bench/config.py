@@ -114,7 +114,27 @@ class BenchConfig:
 
 
 @dataclass(frozen=True)
-class CompareConfig:
+class LaunchOptions:
+    """How `tandem compare` and `tandem tune` launch the servers they measure (both take these)."""
+
+    server_cmd: str | None = field(default=None, metadata=_help(
+        "launch this server command for every configuration (compare's --configs) or trial (tune): placeholders "
+        "{port}, {model} and scheduler settings such as {max_num_batched_tokens} and {max_num_seqs}; with "
+        "--engine the knobs are added as that engine's flags"))
+    engine: str | None = field(default=None, metadata=_help(
+        "with --server-cmd: the engine preset that maps tandem's knob names to its flags and says which knobs "
+        "exist: " + ", ".join(ENGINES), choices=ENGINES))
+    tokenizer: str | None = field(default=None, metadata=_help(
+        "launched servers: the tokenizer prompts are cut with (HF directory or .gguf); default: --model's when "
+        "it is a local path, else the embedded Gemma 3 270M's"))
+    startup_timeout: float = field(default=600.0, metadata=_help(
+        "launched servers: seconds a server may take to answer /health (or /v1/models) before its trial fails"))
+    stop_timeout: float = field(default=30.0, metadata=_help(
+        "launched servers: seconds between SIGTERM to the server's process group and SIGKILL"))
+
+
+@dataclass(frozen=True)
+class CompareConfig(LaunchOptions):
     scenario: str = field(default="equal", metadata=_help(
         "built-in scenario: " + scenarios_help(), choices=SCENARIO_NAMES))
     workload: str | None = field(default=None, metadata=_help("a workload YAML/JSON file instead of a scenario"))
@@ -131,23 +151,10 @@ class CompareConfig:
     server: tuple[str, ...] = field(default=(), metadata=_help(
         "NAME=COMMAND: a launched server as one configuration (repeatable; replaces --configs); the command's "
         "{port} (and {model}) placeholders are filled for each run", action="append"))
-    server_cmd: str | None = field(default=None, metadata=_help(
-        "launch this server command for every configuration of --configs: placeholders {port}, {model} and scheduler settings such as "
-        "{max_num_batched_tokens} and {max_num_seqs}; with --engine the knobs are added as that engine's flags"))
-    engine: str | None = field(default=None, metadata=_help(
-        "with --server-cmd: the engine preset that maps tandem's knob names to its flags and says which knobs "
-        "exist: " + ", ".join(ENGINES), choices=ENGINES))
-    tokenizer: str | None = field(default=None, metadata=_help(
-        "launched servers: the tokenizer prompts are cut with (HF directory or .gguf); default: --model's when "
-        "it is a local path, else the embedded Gemma 3 270M's"))
-    startup_timeout: float = field(default=600.0, metadata=_help(
-        "launched servers: seconds a server may take to answer /health (or /v1/models) before its trial fails"))
-    stop_timeout: float = field(default=30.0, metadata=_help(
-        "launched servers: seconds between SIGTERM to the server's process group and SIGKILL"))
 
 
 @dataclass(frozen=True)
-class TuneConfig:
+class TuneConfig(LaunchOptions):
     scenario: str = field(default="sharegpt-bursty", metadata=_help(
         "built-in scenario to tune against: " + scenarios_help(), choices=SCENARIO_NAMES))
     workload: str | None = field(default=None, metadata=_help("a workload YAML/JSON file instead of a scenario"))
@@ -172,19 +179,6 @@ class TuneConfig:
         "then confirm the leaders on the real engine"))
     confirm: int = field(default=3, metadata=_help(
         "with --simulate: how many of the best simulated candidates to measure on the real engine (0: none)"))
-    server_cmd: str | None = field(default=None, metadata=_help(
-        "launch this server command for every trial: placeholders {port}, {model} and scheduler settings such as "
-        "{max_num_batched_tokens} and {max_num_seqs}; with --engine the knobs are added as that engine's flags"))
-    engine: str | None = field(default=None, metadata=_help(
-        "with --server-cmd: the engine preset that maps tandem's knob names to its flags and says which knobs "
-        "exist: " + ", ".join(ENGINES), choices=ENGINES))
-    tokenizer: str | None = field(default=None, metadata=_help(
-        "launched servers: the tokenizer prompts are cut with (HF directory or .gguf); default: --model's when "
-        "it is a local path, else the embedded Gemma 3 270M's"))
-    startup_timeout: float = field(default=600.0, metadata=_help(
-        "launched servers: seconds a server may take to answer /health (or /v1/models) before its trial fails"))
-    stop_timeout: float = field(default=30.0, metadata=_help(
-        "launched servers: seconds between SIGTERM to the server's process group and SIGKILL"))
 
     def targets(self) -> list[float]:
         """The ITL targets (ms) to try: the fractions of the ITL SLO, one decimal."""
