@@ -260,9 +260,10 @@ def test_queue_bound_gives_429(server):
     lock = threading.Lock()
 
     def fire():
-        # long enough to outlast the whole test's sending, short enough to finish well inside the
+        # long enough to outlast the whole test's sending (on a quiet machine 400 tokens of the tiny
+        # model could end before the third batch was sent), short enough to finish well inside the
         # timeout on a busy machine
-        r = post(server, "/v1/completions", {"prompt": "w4 w5", "max_tokens": 400, "ignore_eos": True}, timeout=180)
+        r = post(server, "/v1/completions", {"prompt": "w4 w5", "max_tokens": 1500, "ignore_eos": True}, timeout=180)
         with lock:
             results.append(r)
 
