@@ -80,6 +80,8 @@ class Sampler:
         n, vocab = logits.shape
         request_ids = [c.request_id for c in chunks]
         params = [c.sampling for c in chunks]
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw = logits[want] if want else None  # logprobs are the unprocessed logits' (a copy of those rows)
         work = self._processed(logits, chunks)
         chosen = self._argmax(work)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -101,9 +103,8 @@ class Sampler:
             chosen[idx] = (probs / noise).argmax(dim=-1)
         token_ids = chosen.tolist()
         logprobs: list[TokenLogprob | None] = [None] * n
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if want:
-            lp = torch.log_softmax(logits[want], dim=-1)
+        if raw is not None:
+            lp = torch.log_softmax(raw, dim=-1)
             k = min(max(params[i].logprobs for i in want), vocab)
             top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (None, None)
             for j, i in enumerate(want):
@@ -118,33 +119,42 @@ class Sampler:
         return token_ids, logprobs
 
     def _processed(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        """``logits`` with the rows that ask for processing replaced by their processed logits."""
-        work = self._penalized(logits, chunks)
+        """``logits`` (the runner's, the sampler's to change) with the rows that ask for processing
+        processed in place: a [rows, vocab] copy of a step's logits costs milliseconds at a large
+        vocabulary, so only the rows that must be kept are copied."""
         rows = [i for i, c in enumerate(chunks) if c.sampling.constraint is not None]
+        penalized = self._penalize(logits, chunks, keep=rows)
         if not rows:
-            return work
+            return logits
         if self.grammars is None:
             raise RuntimeError("structured outputs: this runner has no grammar compiler")
-        idx = torch.tensor(rows, device=logits.device)
         constrained = [chunks[i] for i in rows]
-        masked = self.grammars.mask(work[idx], constrained)
-        dead = torch.isneginf(masked).all(dim=-1)
-        if bool(dead.any()):
-            dead_rows = dead.nonzero().flatten().tolist()
-            masked[dead] = self.grammars.mask(logits[idx[dead]], [constrained[j] for j in dead_rows])
-        return work.index_copy(0, idx, masked)
+        if len(rows) == len(chunks):
+            self.grammars.mask(logits, constrained)
+        else:
+            idx = torch.tensor(rows, device=logits.device)
+            logits.index_copy_(0, idx, self.grammars.mask(logits[idx], constrained))
+        # where the other rules masked every token the grammar allows, the grammar's mask alone applies
+        for i, before in penalized.items():
+            if bool(torch.isneginf(logits[i]).all()):
+                logits[i] = self.grammars.mask(before[None], [chunks[i]])[0]
+        return logits
 
-    def _penalized(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+    def _penalize(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk], keep: Sequence[int]) -> dict[int, torch.Tensor]:
+        """Apply the logit processing of ``penalties`` in place; returns the unprocessed row of each
+        row in ``keep`` that it changed."""
         num_output = [c.end - c.num_prompt_tokens for c in chunks]
         rows = [i for i, c in enumerate(chunks) if c.sampling.processes_logits(num_output[i])]
         if not rows:
-            return logits
+            return {}
+        kept = {i: logits[i].clone() for i in set(rows).intersection(keep)}
         histories = [self.history.prepare(chunks[i]) if penalties.needs_history(chunks[i].sampling) else None
                      for i in rows]
         idx = torch.tensor(rows, device=logits.device)
         done = penalties.process(logits[idx], [chunks[i].sampling for i in rows], [num_output[i] for i in rows],
                                  histories, self.eos_token_ids)
-        return logits.index_copy(0, idx, done)
+        logits.index_copy_(0, idx, done)
+        return kept
 
 
 def _filter_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
