@@ -1,11 +1,9 @@
 """Compiling output constraints (``tandem.core.constraint``) into grammars, with llguidance.
 
-llguidance, not xgrammar: on the default model's 262,144-token vocabulary xgrammar filled a
-row's mask faster (2 to 19 µs against 8 to 34 µs per token) and built its tokenizer tables faster
-(1.1 s against 3.4 s), and both covered every schema tried (objects, arrays, enums, nesting,
-``required``, ``anyOf``, ``pattern``, ``format``). But a decode step takes milliseconds here, so
-either mask is noise, while xgrammar installs triton (1 GB), transformers and a compiler runtime
-on a CPU-only machine and llguidance installs nothing else. Its matcher rolls back, which a step
+llguidance, not xgrammar: both are maintained grammar engines that run on the CPU, but xgrammar
+installs triton (about 1 GB), transformers and a compiler runtime on a CPU-only machine, and
+llguidance nothing else. Its cost per constrained token is measured by
+``benchmarks/structured_outputs.py`` (docs/server.md). Its matcher rolls back, which a step
 retried after drawing needs (``grammar_matchers``).
 
 The vocabulary llguidance sees is the tokenizer's, sized to the model's logits, so padding rows of
