@@ -54,6 +54,8 @@ def _decode_running(queues: RequestQueues, budget: StepBudget) -> None:
 
 def _admit_whole_prompts(queues: RequestQueues, budget: StepBudget, reserve_output: bool, token_budget: bool) -> None:
     for request in queues.admission_order():
+        if not budget.has_seat:  # checked first: taking a cached prefix only to give it back is waste
+            break
         budget.reuse_prefix(request)
         n = request.num_uncomputed_tokens
         if token_budget and budget.planned and n > budget.tokens_left:
