@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 from tandem.core.fairness import FAIRNESS_REGISTRY
 from tandem.core.policies import POLICY_REGISTRY
+from tandem.core.routing import ROUTING_POLICIES
 from tandem.ops.modes import KERNEL_MODES
 
 POLICIES = tuple(POLICY_REGISTRY)  # the registry is the one list; this is its CLI view
@@ -366,6 +367,21 @@ class ServerConfig:
         "seconds a request may wait in the admission queue before 429 with Retry-After"))
     metrics_top_users: int = field(default=10, metadata=_help(
         "per-user series in /metrics for this many users (most tokens first); the rest are summed as user=\"other\""))
+    replicas: int = field(default=1, metadata=_help(
+        "engine replicas behind one endpoint, on Ray Serve (docs/scale-out.md); each gets its share of the "
+        "CPU threads (--threads divided among them) or one GPU; 1 serves from this process without Ray"))
+    routing: str = field(default="prefix-aware", metadata=_help(
+        "how requests are spread over replicas: round-robin, least-loaded (fewest tokens of work), or "
+        "prefix-aware (the replica holding the longest cached prefix unless it is overloaded)",
+        choices=ROUTING_POLICIES))
+    routing_imbalance_tokens: int = field(default=4096, metadata=_help(
+        "prefix-aware: a replica with the prefix is passed over when its tokens of work exceed the "
+        "least-loaded replica's by more than this"))
+    routing_stats_period: float = field(default=0.5, metadata=_help(
+        "seconds between each replica's load and prefix-cache reports to the router"))
+    ray_address: str | None = field(default=None, metadata=_help(
+        "join this Ray cluster (e.g. ray://head:10001 or auto); default: start a local Ray instance for "
+        "the server's lifetime (with --replicas > 1)"))
 
     def validate(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -388,3 +404,12 @@ class ServerConfig:
         _positive_int("max_connections", self.max_connections)
         _non_negative_int("admission_queue", self.admission_queue)
         _non_negative_int("metrics_top_users", self.metrics_top_users)
+        _positive_int("replicas", self.replicas)
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing: must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
+        _non_negative_int("routing_imbalance_tokens", self.routing_imbalance_tokens)
+        value = self.routing_stats_period
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise ValueError(f"routing_stats_period: must be > 0, got {value!r}")
+        if self.ray_address is not None and (not isinstance(self.ray_address, str) or not self.ray_address.strip()):
+            raise ValueError(f"ray_address: must be a non-empty address, got {self.ray_address!r}")
