@@ -142,14 +142,11 @@ class LoadedModel:
         return ModelCost.from_spec(self.spec, self.dtype.itemsize, self.weight_bytes)
 
 
-def load_model(config: ModelConfig, ops: OpTable | None = None) -> LoadedModel:
-    """Load the model ``config`` names; ``ops`` overrides the op choice (else ``select_ops``)."""
+def _model_files(config: ModelConfig):
+    """The model's path, its weights directory (a GGUF file converted once into the cache), spec and
+    tokenizer."""
     from tandem.weights.cache import converted_entry, load_spec
-    from tandem.weights.safetensors_dir import iter_safetensors
 
-    config.validate()
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
     cache_dir = Path(config.cache_dir) if config.cache_dir else None
     path = default_model_path() if config.model is None else Path(config.model).expanduser()
     if path.is_dir():
@@ -169,6 +166,25 @@ def load_model(config: ModelConfig, ops: OpTable | None = None) -> LoadedModel:
         raise ValueError(f"model: {path} does not exist (models are only loaded from local paths)")
     if not tokenizer.eos_token_ids and spec.eos_token_ids:
         tokenizer.eos_token_ids = spec.eos_token_ids
+    return path, weights_dir, spec, tokenizer
+
+
+def load_tokenizer(config: ModelConfig) -> tuple[Tokenizer, ModelSpec]:
+    """Only the tokenizer and spec (a replicated server's ingress tokenizes without the weights)."""
+    config.validate()
+    _, _, spec, tokenizer = _model_files(config)
+    return tokenizer, spec
+
+
+def load_model(config: ModelConfig, ops: OpTable | None = None) -> LoadedModel:
+    """Load the model ``config`` names; ``ops`` overrides the op choice (else ``select_ops``)."""
+    from tandem.weights.safetensors_dir import iter_safetensors
+
+    config.validate()
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    cache_dir = Path(config.cache_dir) if config.cache_dir else None
+    path, weights_dir, spec, tokenizer = _model_files(config)
     max_len = config.max_model_len or min(spec.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     if max_len > spec.max_position_embeddings:
         raise ValueError(

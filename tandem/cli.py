@@ -89,6 +89,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     engine_config = engine_config_from_args(args)
     server_config = dataclass_from_args(ServerConfig, args)
     server_config.validate()
+    if server_config.replicas > 1 or server_config.ray_address is not None:
+        from tandem.scale.app import serve_replicated
+        return serve_replicated(engine_config, server_config, args.log_level.lower())
     try:
         sock = bind(server_config.host, server_config.port)  # before the model: a taken port fails at once
     except PortInUse as exc:

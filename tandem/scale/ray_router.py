@@ -1,0 +1,133 @@
+"""tandem's routing policies behind Ray Serve's request-router interface.
+
+Ray Serve builds one router per deployment handle, in the process that holds the handle (here:
+the ingress), and asks ``choose_replicas`` for ranked candidates per request. The decision is
+``tandem.core.routing.ReplicaRouter``'s; this class only translates: replicas' pushed
+``routing_stats`` (``EngineReplica.record_routing_stats``) become ``ReplicaReport``s, the
+``Forwarded`` request's ``RouteRequest`` is what is weighed, and Ray's lifecycle hooks
+(``on_request_routed``, ``on_request_completed``, ``on_replica_actor_died``) keep the router's own
+record. Each candidate is returned in a rank of its own, so Ray's queue-length check only says
+whether a replica takes requests at all (``max_ongoing_requests``), never which one is preferred.
+
+``ROUTERS`` is process-local: Ray constructs the router, and the ingress in the same process finds
+it there to list the replicas (``/replicas``), to pin its ``/metrics`` calls and to export the
+router's counters (``REGISTRY``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+from tandem.core.routing import ReplicaReport, ReplicaRouter, RouteRequest
+from tandem.scale.forward import Forwarded, Pinned
+
+ROUTERS: dict[str, "TandemRequestRouter"] = {}
+REGISTRY = CollectorRegistry()
+ROUTED = Counter("tandem:router_requests", "Requests the router sent, by replica and the reason it was chosen "
+                 "(prefix, prefix-overloaded, least-loaded, round-robin; fallback: the first choice refused)",
+                 ["policy", "replica", "reason"], registry=REGISTRY)
+MATCHED = Counter("tandem:router_prefix_blocks_matched", "Prompt blocks the chosen replica held or was sent "
+                  "before (prefix-hit share = matched / requested)", ["replica"], registry=REGISTRY)
+REQUESTED = Counter("tandem:router_prefix_blocks_requested", "Full prompt blocks of routed requests, by the "
+                    "replica they went to", ["replica"], registry=REGISTRY)
+_NO_ROUTE = RouteRequest("", 0, 0)
+
+
+def report_from_stats(stats: dict[str, Any]) -> ReplicaReport:
+    return ReplicaReport(
+        outstanding_tokens=int(stats.get("outstanding_tokens", 0)), num_running=int(stats.get("num_running", 0)),
+        num_waiting=int(stats.get("num_waiting", 0)), kv_usage=float(stats.get("kv_usage", 0.0)),
+        cached_blocks=frozenset(stats.get("cached_blocks", ())), open_requests=frozenset(stats.get("open_requests", ())),
+    )
+
+
+class TandemRequestRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, policy: str = "prefix-aware", imbalance_tokens: int = 4096, key: str = "tandem",
+                         **_: Any) -> None:
+        self.core = ReplicaRouter(policy, imbalance_tokens)
+        self._seen: dict[str, Any] = {}  # replica -> the seq of the report last read
+        self._stats: dict[str, dict[str, Any]] = {}
+        self._pending: dict[str, tuple[RouteRequest, Any, int]] = {}  # Ray's request id -> (route, decision, matched)
+        self._routed: dict[str, str] = {}  # Ray's request id -> route id
+        self._lock = threading.Lock()  # the ingress reads snapshots from its own thread
+        ROUTERS[key] = self
+
+    # --- Ray's interface ---------------------------------------------------------------------------
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
+        arg = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        if isinstance(arg, Pinned):
+            return [[by_name[arg.replica]]] if arg.replica in by_name else []
+        if not by_name:
+            return []
+        with self._lock:
+            self._refresh(candidate_replicas)
+            route = arg.route if isinstance(arg, Forwarded) and arg.route is not None else None
+            decision = self.core.choose(route or _NO_ROUTE, list(by_name))
+            if pending_request is not None and route is not None:
+                matched = self.core.matched_blocks(decision.replica, route)
+                self._pending[pending_request.metadata.internal_request_id] = (route, decision, matched)
+        return [[by_name[n]] for n in decision.ranked]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        internal = pending_request.metadata.internal_request_id
+        name = replica_id.unique_id
+        with self._lock:
+            entry = self._pending.pop(internal, None)
+            if entry is None:
+                return
+            route, decision, matched = entry
+            if name != decision.replica:
+                matched = self.core.matched_blocks(name, route)
+            self.core.on_routed(route, name)
+            self._routed[internal] = route.route_id
+        ROUTED.labels(self.core.policy, name, decision.reason if name == decision.replica else "fallback").inc()
+        REQUESTED.labels(name).inc(len(route.block_names))
+        MATCHED.labels(name).inc(matched)
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        with self._lock:
+            self._pending.pop(internal_request_id, None)
+            route_id = self._routed.pop(internal_request_id, None)
+            if route_id is not None:
+                self.core.on_finished(route_id)
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        with self._lock:
+            self.core.set_replicas([r.replica_id.unique_id for r in self._replicas_list])
+            self._stats.pop(replica_id.unique_id, None)
+
+    # --- for the ingress ---------------------------------------------------------------------------
+    def replica_names(self) -> list[str]:
+        return [r.replica_id.unique_id for r in list(self._replicas_list)]
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Each replica as the router sees it: its last report and the router's own record."""
+        with self._lock:
+            self._refresh(list(self._replicas_list))
+            out = []
+            for name in self.core.replicas:
+                stats = self._stats.get(name, {})
+                out.append({
+                    "replica": name, "load_tokens": self.core.load(name), "in_flight": self.core.in_flight(name),
+                    "num_running": stats.get("num_running"), "num_waiting": stats.get("num_waiting"),
+                    "kv_usage": stats.get("kv_usage"), "cached_blocks": len(stats.get("cached_blocks", ())),
+                    "report_time": stats.get("time"),
+                })
+            return out
+
+    def _refresh(self, replicas: list[RunningReplica]) -> None:
+        self.core.set_replicas([r.replica_id.unique_id for r in replicas])
+        for r in replicas:
+            name = r.replica_id.unique_id
+            stats = r.routing_stats or {}
+            if stats and stats.get("seq") != self._seen.get(name):
+                self._seen[name] = stats.get("seq")
+                self._stats[name] = stats
+                self.core.report(name, report_from_stats(stats))

@@ -1,0 +1,92 @@
+"""One engine replica as a Ray Serve deployment: the single-process server's app, built in the
+replica's actor, answering forwarded HTTP requests, plus its load report for the router.
+
+The engine loop runs in a thread of the actor (``AsyncEngine.start``) and the app on the actor's
+event loop, as in the in-process server. ``record_routing_stats`` is Ray Serve's hook: it calls it
+every ``routing_stats_period`` seconds and hands the result to every router (``ray_router.py``);
+no router ever calls a replica to decide a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from tandem.config import EngineConfig, ServerConfig
+from tandem.core.routing import block_name
+from tandem.scale.asgi_bridge import run_asgi
+from tandem.scale.forward import Forwarded, Pinned, ResponseStart
+
+log = logging.getLogger(__name__)
+
+
+class EngineReplica:
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig) -> None:
+        import ray
+
+        from tandem.server.routes import create_app
+        from tandem.server.state import build_state
+
+        self.state = build_state(engine_config, server_config)
+        self.app = create_app(self.state)
+        self.state.async_engine.start()
+        self.open: set[str] = set()
+        context = ray.get_runtime_context()
+        self.actor_name = context.get_actor_name()
+        self.node_id = context.get_node_id()
+        self.started = time.time()
+        self.seq = 0
+        log.info("replica %s ready: %s", self.actor_name, self.state.paths_line)
+
+    async def forward(self, fwd: Forwarded) -> AsyncIterator[ResponseStart | bytes]:
+        route_id = fwd.route.route_id if fwd.route is not None else None
+        if route_id is not None:
+            self.open.add(route_id)
+        try:
+            async for part in run_asgi(self.app, fwd):
+                yield part
+        finally:
+            if route_id is not None:
+                self.open.discard(route_id)
+
+    async def call(self, pin: Pinned | None, what: str) -> Any:
+        if what == "metrics":
+            ae = self.state.async_engine
+            return self.state.metrics.render(ae.engine.num_running, ae.num_waiting(), ae.engine.allocator.usage)
+        if what == "info":
+            return self.info()
+        raise ValueError(f"what: unknown call {what!r}")
+
+    def info(self) -> dict[str, Any]:
+        engine = self.state.engine
+        cache = engine.scheduler.prefix_cache
+        return {
+            "actor_name": self.actor_name, "node_id": self.node_id, "started": self.started,
+            "model": self.state.model_name, "max_model_len": engine.max_model_len,
+            "block_size": engine.allocator.block_size, "num_kv_blocks": engine.allocator.num_blocks,
+            "cache_namespace": cache.hasher.namespace if cache is not None else None,
+            "paths": self.state.paths_line,
+        }
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """The replica's ``ReplicaReport`` as plain data (``ray_router.report_from_stats`` reads it)."""
+        engine = self.state.engine
+        scheduler = engine.scheduler
+        requests = list(scheduler.waiting) + list(scheduler.running)
+        outstanding = sum(r.num_uncomputed_tokens + max(0, r.params.max_tokens - r.num_output_tokens)
+                          for r in requests)
+        inbox = self.state.async_engine.num_waiting() - engine.num_waiting
+        self.seq += 1
+        return {
+            "seq": self.seq, "time": time.time(),
+            "outstanding_tokens": outstanding, "num_running": engine.num_running,
+            "num_waiting": engine.num_waiting + max(0, inbox), "kv_usage": engine.allocator.usage,
+            "cached_blocks": [block_name(h) for h in engine.allocator.cached_hashes()],
+            "open_requests": list(self.open),
+        }
+
+    def __del__(self) -> None:
+        state = getattr(self, "state", None)
+        if state is not None:
+            state.async_engine.stop()
