@@ -114,12 +114,13 @@ def test_names_suffixes_and_values_survive(texts):
 
 def test_unparsable_replica_is_skipped_and_counted(texts):
     bad = texts["r1"].decode() + 'tandem:broken{model_name="m"} not-a-number\n'
-    out = merge_replica_metrics({"r0": texts["r0"], "r1": bad, "r2": b"\xff\xfe"})
+    out = merge_replica_metrics({"r0": texts["r0"], "r1": bad, "r2": b"\xff\xfe", "r3": None})
     _check_exposition(out)
     merged = _samples(out)
     assert merged[(ERRORS_METRIC, (("replica", "r0"),))] == 0
     assert merged[(ERRORS_METRIC, (("replica", "r1"),))] == 1
     assert merged[(ERRORS_METRIC, (("replica", "r2"),))] == 1
+    assert merged[(ERRORS_METRIC, (("replica", "r3"),))] == 1  # could not be read at all
     # r1 is left out whole, not up to its bad line
     assert not any(dict(labels).get("replica") in ("r1", "r2") for name, labels in merged if name != ERRORS_METRIC)
     assert merged[("tandem:prompt_tokens_total", (("model_name", "m"), ("replica", "r0")))] == 6

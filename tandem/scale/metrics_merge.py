@@ -30,20 +30,21 @@ ERRORS_METRIC = "tandem:replica_metrics_errors"
 _OWN_GAUGES = ("_created", "_gsum", "_gcount")  # samples the 0.0.4 writer moves to a gauge of their own
 
 
-def merge_replica_metrics(texts: Mapping[str, str | bytes], extra: str | bytes = "",
+def merge_replica_metrics(texts: Mapping[str, str | bytes | None], extra: str | bytes = "",
                           extra_source: str = "ingress") -> str:
     """Merge replica expositions (replica name -> text) and ``extra`` (the ingress's own, already
     labelled, taken as it is) into one text exposition, format 0.0.4.
 
-    Serve it with ``prometheus_client.CONTENT_TYPE_LATEST``. ``extra_source`` is the ``replica``
-    value under which problems with ``extra`` are counted.
+    A text of ``None`` is a replica whose /metrics could not be read: counted as an error like one
+    that does not parse. Serve the result with ``prometheus_client.CONTENT_TYPE_LATEST``.
+    ``extra_source`` is the ``replica`` value under which problems with ``extra`` are counted.
     """
     merged = _Merged()
     errors: dict[str, int] = {}
     for name, text in texts.items():
         errors[name] = merged.add(text, {REPLICA_LABEL: name})
     if extra:
-        errors[extra_source] = merged.add(extra, None)
+        errors[extra_source] = errors.get(extra_source, 0) + merged.add(extra, None)
     gauge = Metric(ERRORS_METRIC, "Problems merging this replica's /metrics at the last scrape: 1 if its "
                    "text did not parse (its series are missing), plus 1 per family or series dropped for "
                    "clashing with one already merged.", "gauge")
@@ -100,8 +101,10 @@ class _Merged:
     def collect(self) -> Iterator[Metric]:
         return iter(self._families.values())
 
-    def add(self, text: str | bytes, labels: dict[str, str] | None) -> int:
+    def add(self, text: str | bytes | None, labels: dict[str, str] | None) -> int:
         """Merge one exposition, ``labels`` added to each sample; returns the problems met."""
+        if text is None:
+            return 1
         try:
             if isinstance(text, bytes):
                 text = text.decode("utf-8")
