@@ -8,15 +8,21 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.core.outputs import ChunkStat, RequestOutput, StepStats
 from tandem.core.request import RequestTiming
+from tandem.scale.metrics_merge import ERRORS_METRIC, merge_replica_metrics
 from tandem.server.prometheus import ServerMetrics
 from tandem.utilization import ModelCost, Peaks
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "tandem-dashboard.json"
 METRIC_RE = re.compile(r"tandem:[A-Za-z0-9_:]+")
 SELECTOR_RE = re.compile(r"(tandem:[A-Za-z0-9_:]+)(\{[^}]*\})?")
+ROUTER_METRICS = {"tandem:router_requests_total", "tandem:router_prefix_blocks_matched_total",
+                  "tandem:router_prefix_blocks_requested_total"}
+"""What the ingress's router exports (tandem/scale), labelled by replica, not by model."""
+INGRESS_ONLY = ROUTER_METRICS | {ERRORS_METRIC}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +64,11 @@ def exported() -> set[str]:
     # the same set, walked from the registry (guards against a parsing slip above)
     walked = {s.name for fam in m.registry.collect() for s in fam.samples}
     assert walked == names
-    return names
+    # what the ingress adds with --replicas: the merge's own gauge and the router's series
+    merged = {s.name for fam in text_string_to_metric_families(merge_replica_metrics({"r0": text}))
+              for s in fam.samples}
+    assert merged - names == {ERRORS_METRIC}
+    return names | merged | ROUTER_METRICS
 
 
 def test_dashboard_is_valid_json_with_basics(dashboard):
@@ -72,6 +82,10 @@ def test_dashboard_is_valid_json_with_basics(dashboard):
     model = variables["model_name"]
     query = model["query"]["query"] if isinstance(model["query"], dict) else model["query"]
     assert query == "label_values(tandem:num_requests_running, model_name)"
+    replica = variables["replica"]
+    assert replica["query"]["query"] == replica["definition"] == "label_values(tandem:num_requests_running, replica)"
+    # All is ".*": it matches a series without the label, so a single-process server still shows
+    assert replica["multi"] and replica["includeAll"] and replica["allValue"] == ".*"
     # round-trips
     assert json.loads(json.dumps(dashboard)) == dashboard
 
@@ -106,13 +120,15 @@ def test_every_panel_has_unit_datasource_and_query(dashboard):
         assert len(ref_ids) == len(set(ref_ids))
 
 
-def test_expressions_filter_by_model_and_use_rate_interval(dashboard):
+def test_expressions_filter_by_model_and_replica_and_use_rate_interval(dashboard):
     for expr in _exprs(dashboard):
         assert expr.count("(") == expr.count(")"), expr
         for name, selector in SELECTOR_RE.findall(expr):
             if name == "tandem:num_requests_running" and "label_values" in expr:
                 continue
-            assert selector and 'model_name=~"$model_name"' in selector, f"{name} not filtered by model: {expr}"
+            assert selector and 'replica=~"$replica"' in selector, f"{name} not filtered by replica: {expr}"
+            if name not in INGRESS_ONLY:
+                assert 'model_name=~"$model_name"' in selector, f"{name} not filtered by model: {expr}"
         if "rate(" in expr:
             assert "[$__rate_interval]" in expr, expr
         if "histogram_quantile" in expr:
@@ -147,6 +163,10 @@ def test_key_metrics_are_referenced(dashboard):
         "tandem:e2e_request_latency_seconds_bucket",
         "tandem:request_queue_time_seconds_bucket",
         "tandem:request_time_per_output_token_seconds_bucket",
+        "tandem:router_requests_total",
+        "tandem:router_prefix_blocks_matched_total",
+        "tandem:router_prefix_blocks_requested_total",
+        "tandem:replica_metrics_errors",
     ):
         assert needed in used, f"dashboard does not show {needed}"
 
