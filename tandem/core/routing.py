@@ -147,9 +147,12 @@ class ReplicaRouter:
         if not names:
             raise LookupError("no replica to route to")
         loads = {n: self.load(n) for n in names}
-        by_load = sorted(names, key=lambda n: (loads[n], self._replicas[n].report.kv_usage))
+        turn = next(self._turn) % len(names)
+        # equal loads (an idle pool) rotate, so they do not all go to the first name
+        rotation = {n: (i - turn) % len(names) for i, n in enumerate(names)}
+        by_load = sorted(names, key=lambda n: (loads[n], self._replicas[n].report.kv_usage, rotation[n]))
         if self.policy == "round-robin":
-            first = names[next(self._turn) % len(names)]
+            first = names[turn]
             return Decision(first, "round-robin", ranked=(first, *[n for n in by_load if n != first]))
         if self.policy == "prefix-aware" and request.block_names:
             matches = {n: self.matched_blocks(n, request) for n in names}

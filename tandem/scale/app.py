@@ -37,7 +37,7 @@ def uses_gpu(engine_config: EngineConfig) -> bool:
     return device == "cuda"
 
 
-def build_application(engine_config: EngineConfig, server_config: ServerConfig):
+def build_application(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "warning"):
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -49,6 +49,7 @@ def build_application(engine_config: EngineConfig, server_config: ServerConfig):
     replica_engine = dataclasses.replace(engine_config, model=dataclasses.replace(engine_config.model, threads=threads))
     replica_server = dataclasses.replace(server_config, replicas=1, ray_address=None, trace=None)
     gpu = uses_gpu(engine_config)
+    logging_config = {"log_level": log_level.upper(), "enable_access_log": log_level.lower() == "debug"}
     period = server_config.routing_stats_period
     engine = serve.deployment(EngineReplica, name="engine").options(
         num_replicas=n,
@@ -61,10 +62,11 @@ def build_application(engine_config: EngineConfig, server_config: ServerConfig):
                                    "imbalance_tokens": server_config.routing_imbalance_tokens, "key": ROUTER_KEY},
             request_routing_stats_period_s=period, request_routing_stats_timeout_s=max(5.0, 4 * period)),
         graceful_shutdown_timeout_s=server_config.shutdown_timeout,
-        health_check_period_s=2.0, health_check_timeout_s=30.0,
+        health_check_period_s=2.0, health_check_timeout_s=30.0, logging_config=logging_config,
     )
     ingress = serve.deployment(serve.ingress()(Ingress), name="ingress").options(
         num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=server_config.max_connections,
+        logging_config=logging_config,
     )
     return ingress.bind(engine.bind(replica_engine, replica_server), engine_config, server_config)
 
@@ -93,10 +95,9 @@ def serve_replicated(engine_config: EngineConfig, server_config: ServerConfig, l
                  logging_level=log_level.upper(), log_to_driver=True)
     stop = stop or threading.Event()
     try:
-        serve.start(http_options={"host": server_config.host, "port": server_config.port},
-                    logging_config={"log_level": "WARNING" if log_level.lower() == "info" else log_level.upper()})
+        serve.start(http_options={"host": server_config.host, "port": server_config.port})
         print(f"starting {n} replica(s) on Ray Serve ...", file=sys.stderr, flush=True)
-        serve.run(build_application(engine_config, server_config), name=APP_NAME, route_prefix="/")
+        serve.run(build_application(engine_config, server_config, log_level), name=APP_NAME, route_prefix="/")
         print(f"tandem serving with {n} replica(s), routing {server_config.routing}, on "
               f"http://{server_config.host}:{server_config.port}", file=sys.stderr, flush=True)
         if on_started is not None:

@@ -65,7 +65,7 @@ class Ingress:
 
     # --- helpers ---------------------------------------------------------------------------------
     def router(self):
-        from tandem.scale.ray_router import ROUTERS
+        from tandem.scale.router_directory import ROUTERS
         return ROUTERS.get(ROUTER_KEY)
 
     async def info(self) -> dict[str, Any] | None:
@@ -113,7 +113,7 @@ def build_app(ing: Ingress) -> FastAPI:
         from prometheus_client import generate_latest
 
         from tandem.scale.metrics_merge import merge_replica_metrics
-        from tandem.scale.ray_router import REGISTRY
+        from tandem.scale.router_directory import REGISTRY
 
         texts = {n: (r.decode() if isinstance(r, bytes) else r)
                  for n, r in (await ing.each_replica("metrics")).items() if not isinstance(r, BaseException)}

@@ -9,9 +9,8 @@ the ingress), and asks ``choose_replicas`` for ranked candidates per request. Th
 record. Each candidate is returned in a rank of its own, so Ray's queue-length check only says
 whether a replica takes requests at all (``max_ongoing_requests``), never which one is preferred.
 
-``ROUTERS`` is process-local: Ray constructs the router, and the ingress in the same process finds
-it there to list the replicas (``/replicas``), to pin its ``/metrics`` calls and to export the
-router's counters (``REGISTRY``).
+Ray pickles this module by value, so it keeps no state of its own: the routers and their counters
+live in ``router_directory.py``, where the ingress finds them.
 """
 
 from __future__ import annotations
@@ -19,30 +18,13 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from tandem.core.routing import ReplicaReport, ReplicaRouter, RouteRequest
+from tandem.core.routing import ReplicaRouter, RouteRequest
+from tandem.scale import router_directory as directory
 from tandem.scale.forward import Forwarded, Pinned
 
-ROUTERS: dict[str, "TandemRequestRouter"] = {}
-REGISTRY = CollectorRegistry()
-ROUTED = Counter("tandem:router_requests", "Requests the router sent, by replica and the reason it was chosen "
-                 "(prefix, prefix-overloaded, least-loaded, round-robin; fallback: the first choice refused)",
-                 ["policy", "replica", "reason"], registry=REGISTRY)
-MATCHED = Counter("tandem:router_prefix_blocks_matched", "Prompt blocks the chosen replica held or was sent "
-                  "before (prefix-hit share = matched / requested)", ["replica"], registry=REGISTRY)
-REQUESTED = Counter("tandem:router_prefix_blocks_requested", "Full prompt blocks of routed requests, by the "
-                    "replica they went to", ["replica"], registry=REGISTRY)
 _NO_ROUTE = RouteRequest("", 0, 0)
-
-
-def report_from_stats(stats: dict[str, Any]) -> ReplicaReport:
-    return ReplicaReport(
-        outstanding_tokens=int(stats.get("outstanding_tokens", 0)), num_running=int(stats.get("num_running", 0)),
-        num_waiting=int(stats.get("num_waiting", 0)), kv_usage=float(stats.get("kv_usage", 0.0)),
-        cached_blocks=frozenset(stats.get("cached_blocks", ())), open_requests=frozenset(stats.get("open_requests", ())),
-    )
 
 
 class TandemRequestRouter(FIFOMixin, RequestRouter):
@@ -54,7 +36,7 @@ class TandemRequestRouter(FIFOMixin, RequestRouter):
         self._pending: dict[str, tuple[RouteRequest, Any, int]] = {}  # Ray's request id -> (route, decision, matched)
         self._routed: dict[str, str] = {}  # Ray's request id -> route id
         self._lock = threading.Lock()  # the ingress reads snapshots from its own thread
-        ROUTERS[key] = self
+        directory.ROUTERS[key] = self
 
     # --- Ray's interface ---------------------------------------------------------------------------
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -86,9 +68,9 @@ class TandemRequestRouter(FIFOMixin, RequestRouter):
                 matched = self.core.matched_blocks(name, route)
             self.core.on_routed(route, name)
             self._routed[internal] = route.route_id
-        ROUTED.labels(self.core.policy, name, decision.reason if name == decision.replica else "fallback").inc()
-        REQUESTED.labels(name).inc(len(route.block_names))
-        MATCHED.labels(name).inc(matched)
+        directory.ROUTED.labels(self.core.policy, name, decision.reason if name == decision.replica else "fallback").inc()
+        directory.REQUESTED.labels(name).inc(len(route.block_names))
+        directory.MATCHED.labels(name).inc(matched)
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         with self._lock:
@@ -130,4 +112,4 @@ class TandemRequestRouter(FIFOMixin, RequestRouter):
             if stats and stats.get("seq") != self._seen.get(name):
                 self._seen[name] = stats.get("seq")
                 self._stats[name] = stats
-                self.core.report(name, report_from_stats(stats))
+                self.core.report(name, directory.report_from_stats(stats))

@@ -1,0 +1,34 @@
+"""The router's process-local state: the routers Ray built in this process, and their counters.
+
+Ray Serve pickles a request router's module by value when it ships the class, so state kept in
+``ray_router.py`` itself would be a copy per router; here, imported by name, it is the one the
+ingress in the same process reads (``/replicas``, pinned ``/metrics`` calls, the router's series)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter
+
+from tandem.core.routing import ReplicaReport
+
+if TYPE_CHECKING:
+    from tandem.scale.ray_router import TandemRequestRouter
+
+ROUTERS: dict[str, "TandemRequestRouter"] = {}
+REGISTRY = CollectorRegistry()
+ROUTED = Counter("tandem:router_requests", "Requests the router sent, by replica and the reason it was chosen "
+                 "(prefix, prefix-overloaded, least-loaded, round-robin; fallback: the first choice refused)",
+                 ["policy", "replica", "reason"], registry=REGISTRY)
+MATCHED = Counter("tandem:router_prefix_blocks_matched", "Prompt blocks the chosen replica held or was sent "
+                  "before (prefix-hit share = matched / requested)", ["replica"], registry=REGISTRY)
+REQUESTED = Counter("tandem:router_prefix_blocks_requested", "Full prompt blocks of routed requests, by the "
+                    "replica they went to", ["replica"], registry=REGISTRY)
+
+
+def report_from_stats(stats: dict[str, Any]) -> ReplicaReport:
+    return ReplicaReport(
+        outstanding_tokens=int(stats.get("outstanding_tokens", 0)), num_running=int(stats.get("num_running", 0)),
+        num_waiting=int(stats.get("num_waiting", 0)), kv_usage=float(stats.get("kv_usage", 0.0)),
+        cached_blocks=frozenset(stats.get("cached_blocks", ())), open_requests=frozenset(stats.get("open_requests", ())),
+    )
