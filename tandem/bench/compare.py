@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from tandem.bench.compare_report import write_compare_report, write_loads_index
+from tandem.bench.config_keys import refuse_routing
 from tandem.bench.evaluate import Candidate, InProcessEvaluator, evaluate
 from tandem.bench.progress import RunProgress
 from tandem.bench.scenarios import DEFAULT_CONFIGS, SCENARIOS, scenario_requests
@@ -30,7 +31,9 @@ def run_compare(scenario: str | None, workload_path: str | None, configs: list[s
     configs = list(configs or (sc.configs if sc and sc.configs else DEFAULT_CONFIGS))
     if getattr(evaluator, "candidates", None) is None:
         for c in configs:  # a typo fails before the model loads
-            Candidate.parse(c)
+            overrides = Candidate.parse(c).overrides
+            if evaluator is None:
+                refuse_routing(overrides)
     evaluator = evaluator or InProcessEvaluator(base)
     if sc and sc.loads:
         runs = {load: _compare_one(load, None, configs, base, str(Path(result_dir) / load), goodput, seed,

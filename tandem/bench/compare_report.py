@@ -72,6 +72,29 @@ def servers_section(evaluations: list[Evaluation], meta: dict) -> list[str]:
     return md
 
 
+def replicas_section(evaluations: list[Evaluation]) -> list[str]:
+    """Replicated simulations: where the router sent the requests, and how much of their prompts'
+    full blocks the chosen replica's cache served."""
+    rows = [e for e in evaluations if e.replicas is not None]
+    if not rows:
+        return []
+    md = ["## Replicas", "",
+          "Requests per replica, the router's reasons, and the prefix-hit share: of the prompts' full blocks, "
+          "those the chosen replica's KV cache served at admission (the router's own expectation in brackets).", "",
+          "| configuration | routing | requests per replica | reasons | prefix-hit share |", "|---|---|---|---|---|"]
+    for e in rows:
+        r = e.replicas
+        reasons: dict[str, int] = {}
+        for p in r["per_replica"]:
+            for k, v in p["reasons"].items():
+                reasons[k] = reasons.get(k, 0) + v
+        hit = "n/a" if r["prefix_hit_share"] is None else \
+            f"{100 * r['prefix_hit_share']:.0f}% ({100 * r['expected_share']:.0f}%)"
+        md.append(f"| {e.candidate.name} | {r['routing']} | {' / '.join(map(str, r['requests_per_replica']))} | "
+                  f"{', '.join(f'{k} {v}' for k, v in sorted(reasons.items()))} | {hit} |")
+    return md + [""]
+
+
 def plot_ttft_vs_throughput(evaluations: list[Evaluation], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for e in evaluations:
@@ -153,6 +176,7 @@ def write_compare_report(out: Path, evaluations: list[Evaluation], meta: dict) -
     if meta.get("goodput_slos_ms"):
         md += ["Goodput SLOs: " + ", ".join(f"{k} <= {v:g} ms" for k, v in meta["goodput_slos_ms"].items()), ""]
     md += _extra_sections(evaluations, out, plots)
+    md += replicas_section(evaluations)
     md += servers_section(evaluations, meta)
     md += [f"![{p}]({p})" for p in plots]
     text = "\n".join(md) + "\n"

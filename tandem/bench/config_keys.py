@@ -1,6 +1,7 @@
 """Configuration strings of `tandem compare` and `tandem tune`: ``KEY=VALUE[,KEY=VALUE]`` over the
 fields of SchedulerConfig, each value read as its field's type, so a knob added to the config
-dataclass is a compare/tune key without touching this module."""
+dataclass is a compare/tune key without touching this module; plus the replica keys
+(``ROUTING_KEYS``, fields of ServerConfig), which only the simulator and launched servers apply."""
 
 from __future__ import annotations
 
@@ -10,13 +11,33 @@ import types
 import typing
 from typing import Any
 
-from tandem.config import SchedulerConfig
+from tandem.config import SchedulerConfig, ServerConfig
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
+ROUTING_KEYS = ("replicas", "routing", "routing_imbalance_tokens", "routing_stats_period")
+"""Keys of a replicated deployment, typed and checked as ServerConfig's fields (`tandem serve`'s
+flags of those names): N engines behind a router, which one in-process engine is not."""
+
+
 def keys(fields_of: type = SchedulerConfig) -> set[str]:
-    return {f.name for f in dataclasses.fields(fields_of)}
+    names = {f.name for f in dataclasses.fields(fields_of)}
+    return (names | set(ROUTING_KEYS)) if fields_of is SchedulerConfig else names
+
+
+def split_routing(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the scheduler's overrides, the replica keys')."""
+    sched = {k: v for k, v in overrides.items() if k not in ROUTING_KEYS}
+    return sched, {k: v for k, v in overrides.items() if k in ROUTING_KEYS}
+
+
+def refuse_routing(overrides: dict[str, Any]) -> None:
+    """The in-process engine is one replica: a replica key there is an error naming it."""
+    for key in ROUTING_KEYS:
+        if key in overrides:
+            raise ValueError(f"{key}: the in-process engine is one replica; replicas and routing apply to "
+                             f"`tandem simulate` and to launched servers (`tandem serve --{key.replace('_', '-')}`)")
 
 
 def _kinds(fields_of: type, key: str) -> tuple[set[type], bool]:
@@ -67,8 +88,12 @@ def parse_overrides(text: str, fields_of: type = SchedulerConfig) -> dict[str, A
         key = key.strip().replace("-", "_")
         if not eq or key not in known:
             raise ValueError(f"configs: {part!r} is not KEY=VALUE with KEY in {', '.join(sorted(known))}")
-        overrides[key] = parse_value(key, value, fields_of)
-    config = fields_of(**overrides)
+        typed_by = ServerConfig if key in ROUTING_KEYS and fields_of is SchedulerConfig else fields_of
+        overrides[key] = parse_value(key, value, typed_by)
+    own, routing = split_routing(overrides) if fields_of is SchedulerConfig else (overrides, {})
+    config = fields_of(**own)
     if hasattr(config, "validate"):
         config.validate()
+    if routing:
+        ServerConfig(**routing).validate()
     return overrides

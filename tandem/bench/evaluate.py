@@ -12,7 +12,7 @@ from typing import Any
 from tandem.bench.replay import RunData, run_inprocess
 from tandem.bench.summary import summarize_run
 from tandem.bench.prompts import BenchRequest
-from tandem.bench.config_keys import parse_overrides
+from tandem.bench.config_keys import parse_overrides, refuse_routing
 from tandem.bench.workload import ArrivalSpec
 from tandem.config import EngineConfig, SchedulerConfig
 
@@ -68,6 +68,8 @@ class Evaluation:
     mbu: float | None = None
     server: dict | None = None
     """A launched server's trial: its command, log file, and error and log tail if it failed."""
+    replicas: dict | None = None
+    """A simulation of replicas behind a router: requests and prefix blocks per replica."""
 
 
 class InProcessEvaluator:
@@ -93,6 +95,7 @@ class InProcessEvaluator:
     def engine(self, overrides: dict[str, Any]):
         from tandem.build import engine_for
 
+        refuse_routing(overrides)
         scheduler = dataclasses.replace(self.base.scheduler, **overrides)
         return engine_for(dataclasses.replace(self.base, scheduler=scheduler), self.loaded)
 
@@ -115,7 +118,9 @@ def evaluate(evaluator, candidate: Candidate, requests: list[BenchRequest], offs
     data = run_inprocess(engine, requests, offsets, arrival, True, max_duration, progress)
     summary = summarize_run(data.results, data.duration, percentiles, ("ttft", "tpot", "itl", "e2el", "stall"), slos)
     steps = list(engine.step_stats)
-    ev = Evaluation(candidate, summary, data, steps, engine.scheduler.num_preemptions)
+    ev = Evaluation(candidate, summary, data, steps, engine.num_preemptions)
+    if hasattr(engine, "routing_summary"):
+        ev.replicas = engine.routing_summary()
     if hasattr(evaluator, "utilization"):
         ev.mfu, ev.mbu = evaluator.utilization(steps)
     return ev

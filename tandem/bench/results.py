@@ -23,6 +23,8 @@ def row(ev: Evaluation) -> dict:
         "cached_tokens": sum(s.num_cached_tokens for s in ev.steps),
         "steps": len(ev.steps),
     }
+    if ev.replicas is not None:
+        out["routing_summary"] = ev.replicas
     if ev.server is not None:  # a launched server: what its responses and /metrics said, not its steps
         cached = s.get("cached_prompt_tokens", 0)
         recomputed = counter_delta(ev.data.samples, "recomputed_tokens")

@@ -4,16 +4,22 @@ model. Seconds instead of minutes, and for machines that are not here (a rooflin
 
 Prompts are cut by the scenario builders with the simulator's tokenizer (one token per word,
 ids a stable hash of the word), so lengths are exact, a seed reproduces a run, and prompts that
-share text share ids (prefix caching sees them as a real tokenizer's would)."""
+share text share ids (prefix caching sees them as a real tokenizer's would).
+
+A configuration with ``replicas=N`` (and ``routing``, ``routing_imbalance_tokens``,
+``routing_stats_period``, as `tandem serve` takes them) runs N simulated engines behind the
+serving router (``tandem.sim.replicas``); its report adds requests and prefix hits per replica."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from tandem.bench.compare import run_compare
-from tandem.config import EngineConfig, SchedulerConfig
+from tandem.bench.config_keys import split_routing
+from tandem.config import EngineConfig, SchedulerConfig, ServerConfig
 from tandem.sim import SimTokenizer, sim_engine
 from tandem.sim.profile import Profile, describe, load_profile
+from tandem.sim.replicas import ReplicatedSimEngine
 
 
 class SimEvaluator:
@@ -26,9 +32,22 @@ class SimEvaluator:
         self.meta = {"simulated": True, "profile": describe(profile), "profile_info": profile.info}
 
     def engine(self, overrides: dict):
+        """One simulated engine; with a replica key (``replicas``, ``routing``, ...), that many behind
+        a router, the other replica settings `tandem serve`'s defaults."""
         p = self.profile
-        return sim_engine(dataclasses.replace(self.base, **overrides), p.cost, p.num_kv_blocks, p.block_size,
-                          p.max_model_len, overhead=p.overhead, prior=p.prior, vocab_size=p.vocab_size)
+        own, routing = split_routing(overrides)
+        config = dataclasses.replace(self.base, **own)
+
+        def one():
+            return sim_engine(config, p.cost, p.num_kv_blocks, p.block_size, p.max_model_len, overhead=p.overhead,
+                              prior=p.prior, vocab_size=p.vocab_size)
+
+        if not routing:
+            return one()
+        r = ServerConfig(**routing)
+        r.validate()
+        return ReplicatedSimEngine([one() for _ in range(r.replicas)], r.routing, r.routing_imbalance_tokens,
+                                   r.routing_stats_period)
 
 
 def run_simulate(cfg, scheduler: SchedulerConfig | None = None) -> dict:

@@ -180,6 +180,10 @@ class Engine:
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
     # --- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if not self.scheduler.has_unfinished():

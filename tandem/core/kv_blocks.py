@@ -78,6 +78,10 @@ class BlockAllocator:
     def hash_of(self, block: int) -> BlockHash | None:
         return self._hash_of.get(block)
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """The hashes of every cached prefix block, held or not (what a router is told a replica holds)."""
+        return list(self._cached)
+
     def lookup(self, hashes: Sequence[BlockHash]) -> list[int]:
         """The cached blocks of the longest run of ``hashes`` from the first (changes nothing)."""
         found = []
