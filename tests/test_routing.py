@@ -112,3 +112,11 @@ def test_a_removed_replica_drops_its_record():
 def test_bad_settings_name_their_field(kw, field):
     with pytest.raises(ValueError, match=field):
         ReplicaRouter(**kw)
+
+
+def test_a_request_without_route_id_goes_to_the_least_loaded_and_keeps_round_robins_turn():
+    r = router("round-robin")
+    r.report("a", ReplicaReport(outstanding_tokens=50))
+    d = r.choose(RouteRequest("", 0, 0))
+    assert d.replica == "b" and d.ranked == ("b", "a")
+    assert [send(r, req(i)).replica for i in range(2)] == ["a", "b"]

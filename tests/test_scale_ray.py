@@ -49,15 +49,20 @@ def deploy(cluster, **server):
     return httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
 
 
-def routed(client) -> dict[tuple[str, str], float]:
-    """(replica, reason) -> requests the router sent, from the ingress's /metrics."""
-    out = {}
-    for line in client.get("/metrics").text.splitlines():
-        m = re.match(r'tandem:router_requests_total\{(.*)\} (\S+)', line)
-        if m:
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-            out[(labels["replica"], labels["reason"])] = float(m.group(2))
-    return out
+def routed(client, expect: int = 0) -> dict[tuple[str, str], float]:
+    """(replica, reason) -> requests the router sent, from the ingress's /metrics (a request is
+    counted once Ray reports it finished, just after its answer: wait for ``expect`` of them)."""
+    deadline = time.monotonic() + 10
+    while True:
+        out = {}
+        for line in client.get("/metrics").text.splitlines():
+            m = re.match(r'tandem:router_requests_total\{(.*)\} (\S+)', line)
+            if m:
+                labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+                out[(labels["replica"], labels["reason"])] = float(m.group(2))
+        if sum(out.values()) >= expect or time.monotonic() > deadline:
+            return out
+        time.sleep(0.1)
 
 
 def per_replica(counts) -> dict[str, float]:
@@ -134,7 +139,7 @@ def test_prefix_aware_keeps_a_prefix_on_one_replica(cluster):
     with deploy(cluster, routing="prefix-aware") as client:
         cached = [complete(client, f"{SHARED} q{i}")["usage"]["prompt_tokens_details"]["cached_tokens"]
                   for i in range(6)]
-        counts = routed(client)
+        counts = routed(client, 6)
         assert len(per_replica(counts)) == 1, counts  # every one went where the first did
         assert sum(n for (_, reason), n in counts.items() if reason == "prefix") == 5
         assert cached[0] == 0 and all(c == 64 for c in cached[1:]), cached
@@ -154,7 +159,7 @@ def test_round_robin_alternates(cluster):
     with deploy(cluster, routing="round-robin") as client:
         for i in range(6):
             complete(client, f"{SHARED} r{i}")
-        counts = per_replica(routed(client))
+        counts = per_replica(routed(client, 6))
         assert sorted(counts.values()) == [3, 3], counts
 
 
@@ -164,11 +169,11 @@ def test_least_loaded_avoids_the_busy_replica(cluster):
                            json={"prompt": "w1 w2", "max_tokens": 400, "ignore_eos": True, "stream": True}) as long:
             lines = long.iter_lines()
             next(lines)  # the long request runs
-            busy = [k for k, v in routed(client).items()][0][0]
+            busy = next(x["replica"] for x in client.get("/replicas").json()["replicas"] if x["in_flight"])
             for i in range(3):
                 complete(client, f"w{i} w9", max_tokens=2)
-            counts = per_replica(routed(client))
-            assert counts[busy] == 1 and sum(counts.values()) == 4, counts
+            counts = per_replica(routed(client, 3))
+            assert busy not in counts and sum(counts.values()) == 3, counts
             for _ in lines:
                 pass
 

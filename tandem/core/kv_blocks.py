@@ -54,10 +54,6 @@ class BlockAllocator:
         """Blocks that hold a reusable prefix block, held or not."""
         return len(self._cached)
 
-    def cached_hashes(self) -> list[BlockHash]:
-        """The hashes of every cached prefix block (what a replica reports to a router)."""
-        return list(self._cached)
-
     @property
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks

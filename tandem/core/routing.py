@@ -147,6 +147,9 @@ class ReplicaRouter:
         if not names:
             raise LookupError("no replica to route to")
         loads = {n: self.load(n) for n in names}
+        if not request.route_id:  # nothing to generate (a model list, a health check): the least loaded
+            ranked = sorted(names, key=lambda n: (loads[n], self.in_flight(n)))
+            return Decision(ranked[0], "least-loaded", ranked=tuple(ranked))
         turn = next(self._turn) % len(names)
         # equal loads (an idle pool) rotate, so they do not all go to the first name
         rotation = {n: (i - turn) % len(names) for i, n in enumerate(names)}

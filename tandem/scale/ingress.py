@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hmac
 import json
 import logging
@@ -73,7 +74,7 @@ class Ingress:
         async with self._info_lock:
             if self._info is None:
                 try:
-                    self._info = await asyncio.wait_for(self.engine.call.remote(None, "info"), 60)
+                    self._info = await self.call(None, "info", 60)
                 except Exception as exc:
                     log.warning("no replica described itself: %s", exc)
                     return None
@@ -82,8 +83,17 @@ class Ingress:
                     self.hasher = PrefixHasher(self._info["block_size"], ns)
             return self._info
 
+    async def call(self, pin: Pinned | None, what: str, timeout: float) -> Any:
+        """A call of the ingress's own, not the HTTP request's: Ray gives a call made while handling
+        a request that request's id, and calls sharing an id can be handed each other's replica."""
+        async def run():
+            return await self.engine.call.remote(pin, what)
+
+        task = asyncio.get_running_loop().create_task(run(), context=contextvars.Context())
+        return await asyncio.wait_for(task, timeout)
+
     async def pinned(self, replica: str, what: str) -> Any:
-        return await asyncio.wait_for(self.engine.call.remote(Pinned(replica), what), PINNED_TIMEOUT_S)
+        return await self.call(Pinned(replica), what, PINNED_TIMEOUT_S)
 
     async def each_replica(self, what: str) -> dict[str, Any]:
         """``what`` from every replica the router knows; a replica that fails or times out maps to

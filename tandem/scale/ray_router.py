@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from tandem.core.routing import ReplicaRouter, RouteRequest
 from tandem.scale import router_directory as directory
@@ -27,14 +27,13 @@ from tandem.scale.forward import Forwarded, Pinned
 _NO_ROUTE = RouteRequest("", 0, 0)
 
 
-class TandemRequestRouter(FIFOMixin, RequestRouter):
+class TandemRequestRouter(RequestRouter):
     def initialize_state(self, policy: str = "prefix-aware", imbalance_tokens: int = 4096, key: str = "tandem",
                          **_: Any) -> None:
         self.core = ReplicaRouter(policy, imbalance_tokens)
         self._seen: dict[str, Any] = {}  # replica -> the seq of the report last read
         self._stats: dict[str, dict[str, Any]] = {}
         self._pending: dict[str, tuple[RouteRequest, Any, int]] = {}  # Ray's request id -> (route, decision, matched)
-        self._routed: dict[str, str] = {}  # Ray's request id -> route id
         self._lock = threading.Lock()  # the ingress reads snapshots from its own thread
         directory.ROUTERS[key] = self
 
@@ -52,32 +51,39 @@ class TandemRequestRouter(FIFOMixin, RequestRouter):
             route = arg.route if isinstance(arg, Forwarded) and arg.route is not None else None
             decision = self.core.choose(route or _NO_ROUTE, list(by_name))
             if pending_request is not None and route is not None:
-                matched = self.core.matched_blocks(decision.replica, route)
-                self._pending[pending_request.metadata.internal_request_id] = (route, decision, matched)
+                self._record(pending_request.metadata.internal_request_id, route, decision)
         return [[by_name[n]] for n in decision.ranked]
+
+    def _record(self, internal: str, route: RouteRequest, decision) -> None:
+        """The choice counts against its replica from now on (Ray tells a router which replica took
+        a request only on some paths, and always when it finished); a retry replaces it."""
+        if internal in self._pending:
+            self.core.on_finished(route.route_id)
+        matched = self.core.matched_blocks(decision.replica, route)
+        self.core.on_routed(route, decision.replica)
+        self._pending[internal] = (route, decision, matched)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         internal = pending_request.metadata.internal_request_id
+        with self._lock:
+            entry = self._pending.get(internal)
+            if entry is not None and entry[1].replica != replica_id.unique_id:  # a lower rank took it
+                route = entry[0]
+                self.core.on_finished(route.route_id)
+                self.core.on_routed(route, replica_id.unique_id)
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         name = replica_id.unique_id
         with self._lock:
-            entry = self._pending.pop(internal, None)
+            entry = self._pending.pop(internal_request_id, None)
             if entry is None:
                 return
             route, decision, matched = entry
-            if name != decision.replica:
-                matched = self.core.matched_blocks(name, route)
-            self.core.on_routed(route, name)
-            self._routed[internal] = route.route_id
-        directory.ROUTED.labels(self.core.policy, name, decision.reason if name == decision.replica else "fallback").inc()
+            self.core.on_finished(route.route_id)
+        reason = decision.reason if name == decision.replica else "fallback"
+        directory.ROUTED.labels(self.core.policy, name, reason).inc()
         directory.REQUESTED.labels(name).inc(len(route.block_names))
-        directory.MATCHED.labels(name).inc(matched)
-
-    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
-        with self._lock:
-            self._pending.pop(internal_request_id, None)
-            route_id = self._routed.pop(internal_request_id, None)
-            if route_id is not None:
-                self.core.on_finished(route_id)
+        directory.MATCHED.labels(name).inc(matched if name == decision.replica else 0)
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)

@@ -17,8 +17,9 @@ if TYPE_CHECKING:
 
 ROUTERS: dict[str, "TandemRequestRouter"] = {}
 REGISTRY = CollectorRegistry()
-ROUTED = Counter("tandem:router_requests", "Requests the router sent, by replica and the reason it was chosen "
-                 "(prefix, prefix-overloaded, least-loaded, round-robin; fallback: the first choice refused)",
+ROUTED = Counter("tandem:router_requests", "Generation requests the router sent, counted when they end, by "
+                 "replica and the reason it was chosen (prefix, prefix-overloaded, least-loaded, round-robin; "
+                 "fallback: the first choice refused)",
                  ["policy", "replica", "reason"], registry=REGISTRY)
 MATCHED = Counter("tandem:router_prefix_blocks_matched", "Prompt blocks the chosen replica held or was sent "
                   "before (prefix-hit share = matched / requested)", ["replica"], registry=REGISTRY)
