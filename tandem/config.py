@@ -380,8 +380,9 @@ class ServerConfig:
     routing_stats_period: float = field(default=0.5, metadata=_help(
         "seconds between each replica's load and prefix-cache reports to the router"))
     ray_address: str | None = field(default=None, metadata=_help(
-        "join this Ray cluster (e.g. ray://head:10001 or auto); default: start a local Ray instance for "
-        "the server's lifetime (with --replicas > 1)"))
+        "join this Ray cluster (e.g. ray://head:10001, or auto for the one `ray start` runs here) and serve from "
+        "it, even with one replica; 'local' starts a local instance as --replicas > 1 does without this flag; "
+        "default: a local Ray instance for the server's lifetime, with --replicas > 1"))
 
     def validate(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:

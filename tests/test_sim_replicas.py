@@ -187,3 +187,30 @@ def test_compare_in_process_refuses_replica_keys_before_loading_a_model(tmp_path
     assert Candidate.parse("replicas=2,routing=least-loaded").overrides == {"replicas": 2, "routing": "least-loaded"}
     with pytest.raises(ValueError, match="routing: the in-process engine is one replica"):
         run_compare("equal", None, ["policy=chunked", "routing=round-robin"], EngineConfig(), str(tmp_path))
+
+
+def test_tune_searches_replicas_and_routing_in_the_simulator(tmp_path):
+    from tandem.bench.config import TuneConfig
+    from tandem.bench.tune_run import run_tune
+    from tandem.config import EngineConfig
+
+    cfg = TuneConfig(scenario="equal", slo_ttft_ms=60_000, slo_itl_ms=60_000, chunk_sizes="256,1024",
+                     max_num_seqs_values="16", max_trials=6, simulate="h100-sxm/llama-3.1-8b", confirm=0,
+                     replicas_values="1,2", routing_values="round-robin,prefix-aware", result_dir=str(tmp_path))
+    result = run_tune(cfg, EngineConfig())["result"]
+    tried = {(t.overrides.get("replicas"), t.overrides.get("routing")) for t in result.trials}
+    assert tried == {(1, None), (2, "round-robin"), (2, "prefix-aware")}
+    best = result.best.summary["output_throughput"]
+    assert best == max(t.summary["output_throughput"] for t in result.trials if t.overrides.get("replicas") == 2) \
+        or not result.feasible
+    assert "--replicas" in result.command or result.best.overrides.get("replicas") == 1
+
+
+def test_tune_refuses_replicas_in_process(tmp_path):
+    from tandem.bench.config import TuneConfig
+    from tandem.bench.tune_run import run_tune
+    from tandem.config import EngineConfig
+
+    cfg = TuneConfig(scenario="equal", slo_ttft_ms=1000, replicas_values="1,2", result_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="replicas_values"):
+        run_tune(cfg, EngineConfig(), evaluator=None)

@@ -169,6 +169,11 @@ class TuneConfig(LaunchOptions):
         "of the SLO; empty: budgets only"))
     fixed: str = field(default="", metadata=_help(
         "KEY=VALUE[,KEY=VALUE] scheduler settings every trial gets, e.g. fairness=vtc"))
+    replicas_values: str = field(default="", metadata=_help(
+        "replica counts to search, comma-separated (e.g. 1,2): each is tuned as a deployment of its own; on a "
+        "launched tandem server (--engine tandem) or in the simulator (--simulate)"))
+    routing_values: str = field(default="", metadata=_help(
+        "routing policies to search with the replica counts above 1 (e.g. round-robin,prefix-aware)"))
     repeats: int = field(default=2, metadata=_help("runs of each leading candidate; judged on the median"))
     max_trials: int = field(default=24, metadata=_help("most distinct configurations to measure"))
     result_dir: str = field(default="tune-results", metadata=_help("where the report goes"))
@@ -192,6 +197,25 @@ class TuneConfig(LaunchOptions):
         if not all(0 < f <= 2 for f in fractions):
             raise ValueError(f"target_itl_fractions: each must be in (0, 2], got {self.target_itl_fractions!r}")
         return sorted({round(f * self.slo_itl_ms, 1) for f in fractions})
+
+    def deployments(self) -> list[dict]:
+        """The replica settings each deployment is tuned with ({} for none given)."""
+        from tandem.core.routing import ROUTING_POLICIES
+
+        counts = self.grid("replicas_values") if self.replicas_values.strip() else []
+        routings = [v.strip() for v in self.routing_values.split(",") if v.strip()]
+        for r in routings:
+            if r not in ROUTING_POLICIES:
+                raise ValueError(f"routing_values: {r!r} is not one of {', '.join(ROUTING_POLICIES)}")
+        if routings and not counts:
+            raise ValueError("routing_values: needs replicas_values with a count above 1")
+        out: list[dict] = []
+        for n in counts or []:
+            if n == 1:
+                out.append({"replicas": 1})
+            else:
+                out += [{"replicas": n, "routing": r} for r in routings] or [{"replicas": n}]
+        return out or [{}]
 
     def grid(self, name: str) -> list[int]:
         text = getattr(self, name)

@@ -20,10 +20,13 @@ import string
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.config import SchedulerConfig
+from tandem.bench.config_keys import ROUTING_KEYS
+from tandem.config import SchedulerConfig, ServerConfig
 
-KNOBS = tuple(f.name for f in dataclasses.fields(SchedulerConfig))
+KNOBS = tuple(f.name for f in dataclasses.fields(SchedulerConfig)) + ROUTING_KEYS
+"""The scheduler's settings, and a replicated tandem server's (only tandem's preset has flags for those)."""
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SchedulerConfig)}
+_DEFAULTS.update({f.name: f.default for f in dataclasses.fields(ServerConfig) if f.name in ROUTING_KEYS})
 
 
 @dataclass(frozen=True)

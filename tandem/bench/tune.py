@@ -200,6 +200,24 @@ def tune(
                       render(best.overrides) if render else serve_command(base_command, best.overrides))
 
 
+def tune_over(deployments: list[dict[str, Any]], tune_one: Callable[[dict[str, Any]], TuneResult], slo: SLO,
+              render: Callable[[dict[str, Any]], str] | None, base_command: str) -> TuneResult:
+    """One search per deployment (replica count and routing: e.g. {"replicas": 2, "routing":
+    "prefix-aware"}, or {} for a single server), merged: every trial ranked together, the best
+    of all recommended."""
+    results = [tune_one(d) for d in deployments]
+    if len(results) == 1:
+        return results[0]
+    seen: dict[tuple, Trial] = {}
+    for r in results:
+        for t in r.trials:
+            seen.setdefault(t.key(), t)
+    trials = sorted(seen.values(), key=lambda t: rank(t, slo), reverse=True)
+    best = trials[0]
+    return TuneResult(best, is_feasible(best, slo), trials, pareto(trials),
+                      render(best.overrides) if render else serve_command(base_command, best.overrides))
+
+
 def _label(o: dict[str, Any]) -> str:
     text = f"chunk={o.get('max_num_batched_tokens')} seqs={o.get('max_num_seqs')}"
     if o.get("target_itl_ms"):

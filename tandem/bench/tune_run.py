@@ -13,7 +13,7 @@ from tandem.bench.config_keys import parse_overrides
 from tandem.bench.evaluate import Candidate, InProcessEvaluator, evaluate
 from tandem.bench.scenarios import scenario_requests
 from tandem.bench.summary import parse_goodput
-from tandem.bench.tune import SLO, tune
+from tandem.bench.tune import SLO, TuneResult, tune, tune_over
 from tandem.bench.tune_report import write_tune_report
 from tandem.bench.prompts import PlainTokenizer
 from tandem.config import EngineConfig
@@ -49,6 +49,10 @@ def run_tune(cfg: TuneConfig, base: EngineConfig, evaluator=None) -> dict:
         render = launched.command_line
         # a knob the engine lacks, in --fixed, fails here rather than at the first server start
         render({"policy": "chunked", **fixed, "max_num_batched_tokens": chunks[0], "max_num_seqs": seqs[0]})
+    deployments = cfg.deployments()
+    if deployments != [{}] and render is None and not cfg.simulate:
+        raise ValueError("replicas_values: replicas are tuned on a launched tandem server (--server-cmd with "
+                         "--engine tandem) or in the simulator (--simulate); the in-process engine is one replica")
     if cfg.simulate:
         from tandem.bench.simulate import SimEvaluator
         from tandem.sim.profile import describe, load_profile
@@ -70,10 +74,15 @@ def run_tune(cfg: TuneConfig, base: EngineConfig, evaluator=None) -> dict:
         return measure, (title, description, len(requests))
 
     measure, (title, description, num_requests) = measurer(search)
-    # the simulator gives the same answer every time: measuring a leader again adds nothing
-    result = tune(measure, slo, chunks, seqs, repeats=1 if profile else cfg.repeats, max_trials=cfg.max_trials,
-                  try_long_caps=try_long_caps, base_command=serve_base(base), log=lambda line: console.print(line),
-                  targets=targets, fixed=fixed, render=render)
+
+    def tune_one(deployment: dict) -> TuneResult:
+        # the simulator gives the same answer every time: measuring a leader again adds nothing
+        return tune(measure, slo, chunks, seqs, repeats=1 if profile else cfg.repeats,
+                    max_trials=max(1, cfg.max_trials // len(deployments)), try_long_caps=try_long_caps,
+                    base_command=serve_base(base), log=lambda line: console.print(line), targets=targets,
+                    fixed={**fixed, **deployment}, render=render)
+
+    result = tune_over(deployments, tune_one, slo, render, serve_base(base))
     meta = {"workload": title, "description": description, "num_requests": num_requests, "seed": cfg.seed}
     if render is not None:
         meta.update(evaluator.meta, server_cmd=cfg.server_cmd)

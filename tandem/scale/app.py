@@ -75,6 +75,13 @@ def serve_replicated(engine_config: EngineConfig, server_config: ServerConfig, l
                      on_started=None, stop: threading.Event | None = None) -> int:
     """Serve until SIGINT/SIGTERM (or ``stop`` is set); returns the exit status."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    try:
+        import ray  # noqa: F401
+        from ray import serve  # noqa: F401
+    except ImportError:
+        print("tandem: error: replicas: serving several replicas needs Ray Serve: pip install 'ray[serve]' "
+              "(or install tandem with its [ray] extra)", file=sys.stderr)
+        return 1
     from tandem.build import load_tokenizer
     from tandem.server.serve import PortInUse, bind
 
@@ -84,11 +91,9 @@ def serve_replicated(engine_config: EngineConfig, server_config: ServerConfig, l
         print(f"tandem: error: {exc}", file=sys.stderr)
         return 1
     load_tokenizer(engine_config.model)  # converts a GGUF file once, before the replicas look for it
-    import ray
-    from ray import serve
 
     n = server_config.replicas
-    joined = server_config.ray_address is not None
+    joined = server_config.ray_address not in (None, "local")  # "local": a new local instance, as without it
     if not ray.is_initialized():
         cpus = None if joined else max(os.cpu_count() or 1, n * replica_threads(engine_config, n))
         ray.init(address=server_config.ray_address, num_cpus=cpus, include_dashboard=False,
@@ -112,5 +117,5 @@ def serve_replicated(engine_config: EngineConfig, server_config: ServerConfig, l
             serve.delete(APP_NAME)
         else:
             serve.shutdown()
-            ray.shutdown()
+        ray.shutdown()  # stops a local instance; only disconnects from a cluster
     return 0
