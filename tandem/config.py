@@ -412,5 +412,8 @@ class ServerConfig:
         value = self.routing_stats_period
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
             raise ValueError(f"routing_stats_period: must be > 0, got {value!r}")
+        if self.trace and (self.replicas > 1 or self.ray_address is not None):
+            raise ValueError("trace: the step trace is written by a single-process server; it is not available "
+                             "with --replicas or --ray-address")
         if self.ray_address is not None and (not isinstance(self.ray_address, str) or not self.ray_address.strip()):
             raise ValueError(f"ray_address: must be a non-empty address, got {self.ray_address!r}")

@@ -82,7 +82,7 @@ def serve_replicated(engine_config: EngineConfig, server_config: ServerConfig, l
         print("tandem: error: replicas: serving several replicas needs Ray Serve: pip install 'ray[serve]' "
               "(or install tandem with its [ray] extra)", file=sys.stderr)
         return 1
-    from tandem.build import load_tokenizer
+    from tandem.model_files import load_tokenizer
     from tandem.server.serve import PortInUse, bind
 
     try:

@@ -45,7 +45,7 @@ HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection"}
 
 class Ingress:
     def __init__(self, engine, engine_config: EngineConfig, server_config: ServerConfig) -> None:
-        from tandem.build import load_tokenizer
+        from tandem.model_files import load_tokenizer
         from tandem.server.chat import ChatFormatter
         from tandem.server.offload import Offload
 

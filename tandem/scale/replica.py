@@ -1,8 +1,8 @@
 """One engine replica as a Ray Serve deployment: the single-process server's app, built in the
 replica's actor, answering forwarded HTTP requests, plus its load report for the router.
 
-The engine loop runs in a thread of the actor (``AsyncEngine.start``) and the app on the actor's
-event loop, as in the in-process server. ``record_routing_stats`` is Ray Serve's hook: it calls it
+The model is loaded, and the engine loop then run, on one thread of the actor's own; the app runs
+on the actor's event loop. ``record_routing_stats`` is Ray Serve's hook: it calls it
 every ``routing_stats_period`` seconds and hands the result to every router (``ray_router.py``);
 no router ever calls a replica to decide a request.
 """
@@ -10,6 +10,7 @@ no router ever calls a replica to decide a request.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, AsyncIterator
 
@@ -28,9 +29,28 @@ class EngineReplica:
         from tandem.server.routes import create_app
         from tandem.server.state import build_state
 
-        self.state = build_state(engine_config, server_config)
-        self.app = create_app(self.state)
-        self.state.async_engine.start()
+        built: dict = {}
+        ready = threading.Event()
+
+        def engine_thread() -> None:
+            # the thread that loads the model runs its steps (see server/async_engine.py: a second
+            # thread with its own OpenMP pool made decode steps a third slower)
+            try:
+                built["state"] = state = build_state(engine_config, server_config)
+                built["app"] = create_app(state)
+                state.async_engine.run_on_caller()
+            except BaseException as exc:  # raised again in the constructor: Ray reports it
+                built["error"] = exc
+                return
+            finally:
+                ready.set()
+            state.async_engine.run()
+
+        threading.Thread(target=engine_thread, name="tandem-engine", daemon=True).start()
+        ready.wait()
+        if "error" in built:
+            raise built["error"]
+        self.state, self.app = built["state"], built["app"]
         self.open: set[str] = set()
         context = ray.get_runtime_context()
         self.actor_name = context.get_actor_name()

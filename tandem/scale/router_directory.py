@@ -6,16 +6,14 @@ ingress in the same process reads (``/replicas``, pinned ``/metrics`` calls, the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
 from tandem.core.routing import ReplicaReport
 
-if TYPE_CHECKING:
-    from tandem.scale.ray_router import TandemRequestRouter
-
-ROUTERS: dict[str, "TandemRequestRouter"] = {}
+ROUTERS: dict[str, Any] = {}
+"""Key (``request_router_kwargs['key']``) -> the ``TandemRequestRouter`` Ray built in this process."""
 REGISTRY = CollectorRegistry()
 ROUTED = Counter("tandem:router_requests", "Generation requests the router sent, counted when they end, by "
                  "replica and the reason it was chosen (prefix, prefix-overloaded, least-loaded, round-robin; "

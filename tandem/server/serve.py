@@ -162,8 +162,11 @@ def serve(app, state, sock: socket.socket, log_level: str, on_started: Callable[
     """Serve ``app`` (built by ``create_app(state)``) on the bound ``sock`` until a signal."""
     settings: ServerConfig = state.config
     gate = Gate(app)
+    # the plain asyncio loop, not uvloop where it is installed (Ray Serve brings it): under uvloop
+    # the server was seen not to exit on SIGTERM after a streamed request (the drain a signal hands
+    # to the loop with call_soon_threadsafe did not run)
     config = uvicorn.Config(
-        gate, log_level=log_level, lifespan="on",
+        gate, log_level=log_level, lifespan="on", loop="asyncio",
         http=protocol_factory(ConnectionLimits(settings.header_timeout, settings.max_connections)),
         timeout_keep_alive=settings.keep_alive_timeout,  # type: ignore[arg-type]  # a float works
         timeout_graceful_shutdown=CLOSE_GRACE_S,
