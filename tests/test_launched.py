@@ -275,3 +275,16 @@ def test_compare_configs_render_through_a_preset(tmp_path):
         from_config(CompareConfig(engine="vllm"), EngineConfig())
     with pytest.raises(ValueError, match="expected NAME=COMMAND"):
         from_config(CompareConfig(server=("srv {port}",)), EngineConfig())
+
+
+def test_replica_settings_reach_tandem_serve_and_nothing_else():
+    argv = render("tandem serve", {"replicas": 2, "routing": "least-loaded", "routing_stats_period": 0.25}, 9000,
+                  preset=PRESETS["tandem"])
+    assert argv[-6:] == ["--replicas", "2", "--routing", "least-loaded", "--routing-stats-period", "0.25"]
+    assert {"replicas", "routing"} <= tunable("tandem serve", PRESETS["tandem"])
+    assert render("tandem serve --port {port} --replicas {replicas}", {}, 9000) == \
+        ["tandem", "serve", "--port", "9000", "--replicas", "1"]
+    with pytest.raises(ValueError, match="replicas: engine vllm has no such setting"):
+        render("vllm serve m", {"replicas": 2}, 9000, preset=PRESETS["vllm"])
+    with pytest.raises(ValueError, match="routing_values"):
+        TuneConfig(routing_values="random", replicas_values="2").deployments()
