@@ -79,6 +79,8 @@ def bench(port: int, out: Path, extra: list[str]) -> dict:
                     "--result-dir", str(out), *extra], check=True, cwd=ROOT,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     summary = json.loads((out / "result.json").read_text())
+    for bulky in ("report.html", "requests.jsonl", "token_timeline.png"):  # the summary and plots stay
+        (out / bulky).unlink(missing_ok=True)
     return {k: summary.get(k) for k in KEYS}
 
 
@@ -98,10 +100,8 @@ def router_view(port: int) -> dict:
 
 
 def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
+    from tandem.kernels.cpu_features import cpu_info
+    return cpu_info().model
 
 
 def main() -> int:
@@ -156,7 +156,9 @@ def write_markdown(out: Path, result: dict) -> None:
                      f"{x['p99_ttft_ms']:.0f} ms | {x['p99_itl_ms']:.0f} ms | {x['cached_prompt_fraction'] or 0:.1%} | "
                      f"{'' if share is None else f'{share:.1%}'} | "
                      f"{' / '.join(f'{v:.0f}' for v in r.get('requests_per_replica', [])) or '-'} |")
-    lines += ["", "![TTFT and cached share](scale_out.png)", ""]
+    lines += ["", "Requests per replica and the router's share count the probe's requests too (8 random prompts "
+              "with nothing to share). Two replicas have one thread each; the plain server and the single "
+              "replica have two.", "", "![TTFT and cached share](scale_out.png)", ""]
     (out / "scale_out.md").write_text("\n".join(lines))
 
 
