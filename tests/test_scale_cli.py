@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -21,10 +22,18 @@ pytestmark = pytest.mark.ray
 
 
 def _ray_daemons() -> set[int]:
-    """PIDs of Ray's per-cluster daemons (the GCS server and raylets) running now."""
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return {int(line.split()[0]) for line in out.splitlines()[1:]
-            if "raylet" in line or "gcs_server" in line}
+    """PIDs of Ray's per-cluster daemons (the GCS server and raylets) running now, from /proc."""
+    pids = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if b"raylet" in cmdline or b"gcs_server" in cmdline:
+            pids.add(int(proc.name))
+    return pids
 
 
 def test_serve_replicas_starts_answers_and_stops(tmp_path):
