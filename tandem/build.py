@@ -4,7 +4,6 @@ tokenizer, size the KV cache, and wire scheduler, runner and engine together."""
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,14 +17,14 @@ from tandem.core.outputs import StepStats
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.step import KVLayout, ScheduledChunk, SchedulerOutput
 from tandem.core.step_time import Observation, StepCost, features, fit
-from tandem.kernels.cpu_features import cpu_info
+from tandem.kernels.cpu_features import available_cores, cpu_info
 from tandem.models.auto_mode import AutoChoice, choose_quantization
 from tandem.models.base import CausalLM
 from tandem.models.quant import quantize_model_int8
 from tandem.models.quant_int4 import BYTES_PER_WEIGHT as INT4_BYTES_PER_WEIGHT
 from tandem.models.quant_int4 import quantize_model_int4
 from tandem.models.registry import build_model
-from tandem.model_files import default_model_path, load_tokenizer, model_files  # noqa: F401  (re-exported)
+from tandem.model_files import model_files
 from tandem.models.spec import ModelSpec
 from tandem.ops.dispatch import OpTable, select_ops
 from tandem.ops.modes import describe_paths
@@ -186,12 +185,7 @@ def _instantiate(spec: ModelSpec, max_len: int, device: torch.device, dtype: tor
 
 
 def set_threads(threads: int | None) -> None:
-    if threads is None:
-        try:
-            threads = len(os.sched_getaffinity(0))
-        except AttributeError:
-            threads = os.cpu_count() or 1
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads if threads is not None else available_cores())
 
 
 def engine_for(

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 from tandem.core.fairness import FAIRNESS_REGISTRY
 from tandem.core.policies import POLICY_REGISTRY
-from tandem.core.routing import ROUTING_POLICIES
+from tandem.core.routing import ROUTING_POLICIES, check_routing
 from tandem.ops.modes import KERNEL_MODES
 
 POLICIES = tuple(POLICY_REGISTRY)  # the registry is the one list; this is its CLI view
@@ -406,9 +406,7 @@ class ServerConfig:
         _non_negative_int("admission_queue", self.admission_queue)
         _non_negative_int("metrics_top_users", self.metrics_top_users)
         _positive_int("replicas", self.replicas)
-        if self.routing not in ROUTING_POLICIES:
-            raise ValueError(f"routing: must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
-        _non_negative_int("routing_imbalance_tokens", self.routing_imbalance_tokens)
+        check_routing(self.routing, self.routing_imbalance_tokens)
         value = self.routing_stats_period
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
             raise ValueError(f"routing_stats_period: must be > 0, got {value!r}")

@@ -246,7 +246,7 @@ def test_sweep_and_inprocess(tandem_server, tmp_path):
     assert levels[0] == 1 and levels == sorted(levels) and max(levels) <= 4
     for name in ("sweep.json", "sweep.md", "sweep.png", "concurrency_1/result.json"):
         assert (out / name).is_file(), name
-    from tandem.build import default_model_path
+    from tandem.model_files import default_model_path
     from tandem.config import EngineConfig
     from tandem.weights.cache import converted_entry
 

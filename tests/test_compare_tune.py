@@ -98,7 +98,7 @@ def test_candidate_parsing():
 
 @pytest.fixture(scope="module")
 def tiny_evaluator(tmp_path_factory):
-    from tandem.build import default_model_path
+    from tandem.model_files import default_model_path
     from tandem.bench.main import load_tokenizer
     from tandem.weights.cache import converted_entry
     from tandem.utilization import Peaks

@@ -42,7 +42,7 @@ def test_greedy_continuations_match_transformers(gemma):
 
 
 def test_cache_entry_is_validated_and_rebuilt(gemma, tmp_path, monkeypatch):
-    from tandem.build import default_model_path
+    from tandem.model_files import default_model_path
 
     gguf = default_model_path()
     entry = wcache.converted_entry(gguf)  # already built by the fixture: a cache hit

@@ -35,7 +35,7 @@ WORKLOAD = {"dataset": "random", "num_prompts": 4, "seed": 0,
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from tandem.build import default_model_path
+    from tandem.model_files import default_model_path
     from tandem.weights.cache import converted_entry
 
     d = tmp_path_factory.mktemp("launched-model")

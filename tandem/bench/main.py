@@ -31,7 +31,7 @@ def load_tokenizer(path: str | None):
     from tandem.tokenizer import Tokenizer
 
     if path is None:
-        from tandem.build import default_model_path
+        from tandem.model_files import default_model_path
         from tandem.weights.cache import converted_entry
 
         return Tokenizer.load_saved(converted_entry(default_model_path()))

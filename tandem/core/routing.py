@@ -28,7 +28,7 @@ import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 ROUTING_POLICIES = ("round-robin", "least-loaded", "prefix-aware")
 REMEMBERED_BLOCKS = 1 << 16
@@ -39,6 +39,23 @@ def block_name(block_hash: bytes) -> int:
     """A prefix block's 64-bit routing name: the first 8 bytes of its SHA-256 chain hash (a
     collision only misroutes, it never shares KV)."""
     return int.from_bytes(block_hash[:8], "little")
+
+
+def prompt_block_names(hasher, salt: str | None, token_slice: Callable[[int, int], Sequence[int]],
+                       num_tokens: int) -> tuple[int, ...]:
+    """The names of a prompt's full blocks, as its replica's prefix cache names them
+    (``hasher``: a ``PrefixHasher`` with the replicas' block size and namespace)."""
+    hashes: list[bytes] = []
+    hasher.extend(hashes, salt, token_slice, num_tokens)
+    return tuple(block_name(h) for h in hashes)
+
+
+def check_routing(policy: str, imbalance_tokens: int) -> None:
+    """The routing settings' checks (``ServerConfig.validate`` and ``ReplicaRouter`` share them)."""
+    if policy not in ROUTING_POLICIES:
+        raise ValueError(f"routing: must be one of {', '.join(ROUTING_POLICIES)}, got {policy!r}")
+    if not isinstance(imbalance_tokens, int) or isinstance(imbalance_tokens, bool) or imbalance_tokens < 0:
+        raise ValueError(f"routing_imbalance_tokens: must be an integer >= 0, got {imbalance_tokens!r}")
 
 
 @dataclass(frozen=True)
@@ -52,6 +69,32 @@ class ReplicaReport:
     """``block_name``s of the full prefix blocks its cache holds."""
     open_requests: frozenset[str] = frozenset()
     """Routing ids of the requests it has accepted and not finished."""
+
+    def to_stats(self) -> dict[str, Any]:
+        """As plain data, which Ray Serve carries from the replica to the routers."""
+        return {"outstanding_tokens": self.outstanding_tokens, "num_running": self.num_running,
+                "num_waiting": self.num_waiting, "kv_usage": self.kv_usage,
+                "cached_blocks": list(self.cached_blocks), "open_requests": list(self.open_requests)}
+
+    @classmethod
+    def from_stats(cls, stats: dict[str, Any]) -> "ReplicaReport":
+        return cls(int(stats.get("outstanding_tokens", 0)), int(stats.get("num_running", 0)),
+                   int(stats.get("num_waiting", 0)), float(stats.get("kv_usage", 0.0)),
+                   frozenset(stats.get("cached_blocks", ())), frozenset(stats.get("open_requests", ())))
+
+
+def engine_report(engine, open_requests: Iterable[str] | None = None, waiting_elsewhere: int = 0) -> ReplicaReport:
+    """What ``engine`` (a ``tandem.core.engine.Engine``) reports as a replica. ``open_requests``:
+    the routing ids it holds, by default its own request ids; ``waiting_elsewhere``: requests
+    accepted but not yet handed to it (a server's inbox). Safe to call beside the engine's loop
+    thread: it reads copies."""
+    requests = list(engine.scheduler.requests.values())
+    outstanding = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                      + max(0, r.params.max_tokens - r.num_output_tokens) for r in requests)
+    ids = open_requests if open_requests is not None else (r.request_id for r in requests)
+    return ReplicaReport(outstanding, engine.num_running, engine.num_waiting + waiting_elsewhere,
+                         engine.allocator.usage, frozenset(block_name(h) for h in engine.allocator.cached_hashes()),
+                         frozenset(ids))
 
 
 @dataclass(frozen=True)
@@ -90,10 +133,7 @@ class _Replica:
 class ReplicaRouter:
     def __init__(self, policy: str = "prefix-aware", imbalance_tokens: int = 4096, kv_high: float = 0.95,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if policy not in ROUTING_POLICIES:
-            raise ValueError(f"routing: must be one of {', '.join(ROUTING_POLICIES)}, got {policy!r}")
-        if not isinstance(imbalance_tokens, int) or imbalance_tokens < 0:
-            raise ValueError(f"routing_imbalance_tokens: must be an integer >= 0, got {imbalance_tokens!r}")
+        check_routing(policy, imbalance_tokens)
         if not 0 < kv_high <= 1:
             raise ValueError(f"kv_high: must be in (0, 1], got {kv_high!r}")
         self.policy = policy

@@ -10,6 +10,7 @@ for is present.
 
 from __future__ import annotations
 
+import os
 import platform
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -64,6 +65,14 @@ def _proc_cpuinfo() -> tuple[str, frozenset[str]]:
         # Virtual machines often show a bare "AMD EPYC": family and model tell the generation.
         model = f"{facts['model name']} (family {facts.get('cpu family', '?')}, model {facts.get('model', '?')})"
     return model, flags
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 def cpu_model() -> str:

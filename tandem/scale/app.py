@@ -20,13 +20,9 @@ PINNED_CALL_ROOM = 64
 
 def replica_threads(engine_config: EngineConfig, replicas: int) -> int:
     """Each replica's share of the CPU threads (at least one)."""
-    total = engine_config.model.threads
-    if total is None:
-        try:
-            total = len(os.sched_getaffinity(0))
-        except AttributeError:
-            total = os.cpu_count() or 1
-    return max(1, total // replicas)
+    from tandem.kernels.cpu_features import available_cores
+
+    return max(1, (engine_config.model.threads or available_cores()) // replicas)
 
 
 def uses_gpu(engine_config: EngineConfig) -> bool:

@@ -20,7 +20,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from tandem.core.routing import ReplicaRouter, RouteRequest
+from tandem.core.routing import ReplicaReport, ReplicaRouter, RouteRequest
 from tandem.scale import router_directory as directory
 from tandem.scale.forward import Forwarded, Pinned
 
@@ -118,4 +118,4 @@ class TandemRequestRouter(RequestRouter):
             if stats and stats.get("seq") != self._seen.get(name):
                 self._seen[name] = stats.get("seq")
                 self._stats[name] = stats
-                self.core.report(name, directory.report_from_stats(stats))
+                self.core.report(name, ReplicaReport.from_stats(stats))

@@ -15,7 +15,7 @@ import time
 from typing import Any, AsyncIterator
 
 from tandem.config import EngineConfig, ServerConfig
-from tandem.core.routing import block_name
+from tandem.core.routing import engine_report
 from tandem.scale.asgi_bridge import run_asgi
 from tandem.scale.forward import Forwarded, Pinned, ResponseStart
 
@@ -90,21 +90,11 @@ class EngineReplica:
         }
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """The replica's ``ReplicaReport`` as plain data (``ray_router.report_from_stats`` reads it)."""
-        engine = self.state.engine
-        scheduler = engine.scheduler
-        requests = list(scheduler.waiting) + list(scheduler.running)
-        outstanding = sum(r.num_uncomputed_tokens + max(0, r.params.max_tokens - r.num_output_tokens)
-                          for r in requests)
-        inbox = self.state.async_engine.num_waiting() - engine.num_waiting
+        """The replica's ``ReplicaReport`` as plain data, numbered so a router reads each once."""
+        ae = self.state.async_engine
+        inbox = max(0, ae.num_waiting() - ae.engine.num_waiting)
         self.seq += 1
-        return {
-            "seq": self.seq, "time": time.time(),
-            "outstanding_tokens": outstanding, "num_running": engine.num_running,
-            "num_waiting": engine.num_waiting + max(0, inbox), "kv_usage": engine.allocator.usage,
-            "cached_blocks": [block_name(h) for h in engine.allocator.cached_hashes()],
-            "open_requests": list(self.open),
-        }
+        return {"seq": self.seq, "time": time.time(), **engine_report(ae.engine, list(self.open), inbox).to_stats()}
 
     def __del__(self) -> None:
         state = getattr(self, "state", None)

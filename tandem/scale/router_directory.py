@@ -10,8 +10,6 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
-from tandem.core.routing import ReplicaReport
-
 ROUTERS: dict[str, Any] = {}
 """Key (``request_router_kwargs['key']``) -> the ``TandemRequestRouter`` Ray built in this process."""
 REGISTRY = CollectorRegistry()
@@ -24,10 +22,3 @@ MATCHED = Counter("tandem:router_prefix_blocks_matched", "Prompt blocks the chos
 REQUESTED = Counter("tandem:router_prefix_blocks_requested", "Full prompt blocks of routed requests, by the "
                     "replica they went to", ["replica"], registry=REGISTRY)
 
-
-def report_from_stats(stats: dict[str, Any]) -> ReplicaReport:
-    return ReplicaReport(
-        outstanding_tokens=int(stats.get("outstanding_tokens", 0)), num_running=int(stats.get("num_running", 0)),
-        num_waiting=int(stats.get("num_waiting", 0)), kv_usage=float(stats.get("kv_usage", 0.0)),
-        cached_blocks=frozenset(stats.get("cached_blocks", ())), open_requests=frozenset(stats.get("open_requests", ())),
-    )

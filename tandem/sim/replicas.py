@@ -26,7 +26,7 @@ from typing import Sequence
 from tandem.core.engine import Engine
 from tandem.core.outputs import RequestOutput
 from tandem.core.prefix_cache import PrefixHasher
-from tandem.core.routing import Decision, ReplicaReport, ReplicaRouter, RouteRequest, block_name
+from tandem.core.routing import Decision, ReplicaRouter, RouteRequest, engine_report, prompt_block_names
 from tandem.core.sampling_params import SamplingParams
 from tandem.sim.runner import VirtualClock
 
@@ -91,11 +91,9 @@ class ReplicatedSimEngine:
         # Every replica has the same configuration, so the first one validates for all of them.
         request = self.engines[0].make_request(prompt, params, rid, now if arrival_time is None else arrival_time,
                                                priority, user, cache_salt)
-        hashes: list[bytes] = []
-        self.hasher.extend(hashes, request.cache_salt, request.token_slice,
-                           request.num_prompt_tokens // self.block_size * self.block_size)
         route = RouteRequest(rid, request.num_prompt_tokens, request.params.max_tokens,
-                             tuple(block_name(h) for h in hashes))
+                             prompt_block_names(self.hasher, request.cache_salt, request.token_slice,
+                                                request.num_prompt_tokens))
         decision = self.router.choose(route)
         index = self.names.index(decision.replica)
         engine = self.engines[index]
@@ -104,7 +102,7 @@ class ReplicatedSimEngine:
         tally = self.tallies[decision.replica]
         tally.requests += 1
         tally.reasons[decision.reason] += 1
-        tally.requested_blocks += len(hashes)
+        tally.requested_blocks += len(route.block_names)
         tally.expected_blocks += self.router.matched_blocks(decision.replica, route)
         self.router.on_routed(route, decision.replica)
         self.decisions[rid] = decision
@@ -188,19 +186,8 @@ class ReplicatedSimEngine:
             self.router.on_finished(heapq.heappop(self._finishes)[2])
         for i, engine in enumerate(self.engines):
             if engine.clock() <= now and now >= self._next_report[i]:
-                self.router.report(self.names[i], self._report(engine))
+                self.router.report(self.names[i], engine_report(engine))
                 self._next_report[i] = now + self.stats_period
-
-    @staticmethod
-    def _report(engine: Engine) -> ReplicaReport:
-        open_requests = engine.scheduler.requests
-        outstanding = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
-                          + max(0, r.params.max_tokens - r.num_output_tokens) for r in open_requests.values())
-        return ReplicaReport(
-            outstanding_tokens=outstanding, num_running=engine.num_running, num_waiting=engine.num_waiting,
-            kv_usage=engine.allocator.usage,
-            cached_blocks=frozenset(block_name(h) for h in engine.allocator.cached_hashes()),
-            open_requests=frozenset(open_requests))
 
     # --- the report ----------------------------------------------------------------------------------
     def routing_summary(self) -> dict:
