@@ -11,6 +11,7 @@ lines: every knob lives here by design, so one file holds all defaults and help 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -383,6 +384,10 @@ class ServerConfig:
         "join this Ray cluster (e.g. ray://head:10001, or auto for the one `ray start` runs here) and serve from "
         "it, even with one replica; 'local' starts a local instance as --replicas > 1 does without this flag; "
         "default: a local Ray instance for the server's lifetime, with --replicas > 1"))
+
+    def resolved_api_key(self) -> str | None:
+        """The key clients must send: --api-key, else TANDEM_API_KEY, else none."""
+        return self.api_key or os.environ.get("TANDEM_API_KEY") or None
 
     def validate(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:

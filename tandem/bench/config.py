@@ -210,7 +210,7 @@ class TuneConfig(LaunchOptions):
         if routings and not counts:
             raise ValueError("routing_values: needs replicas_values with a count above 1")
         out: list[dict] = []
-        for n in counts or []:
+        for n in counts:
             if n == 1:
                 out.append({"replicas": 1})
             else:

@@ -21,7 +21,6 @@ import contextvars
 import hmac
 import json
 import logging
-import os
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -33,6 +32,7 @@ from tandem.scale.forward import Forwarded, Pinned, ResponseStart
 from tandem.scale.route_info import GENERATE_PATHS, route_request
 from tandem.server.json_body import read_body
 from tandem.server.protocol import APIError
+from tandem.server.routes import watch_disconnect
 from tandem.server.streaming import GuardedStreamingResponse
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class Ingress:
         self.tokenizer = tokenizer
         self.chat = ChatFormatter(tokenizer, spec.family)
         self.offload = Offload(server_config.tokenizer_threads)
-        key = server_config.api_key or os.environ.get("TANDEM_API_KEY") or None
+        key = server_config.resolved_api_key()
         self.expected_auth = f"Bearer {key}".encode() if key else None
         self.hasher: PrefixHasher | None = None
         self._info: dict[str, Any] | None = None
@@ -125,8 +125,9 @@ def build_app(ing: Ingress) -> FastAPI:
         from tandem.scale.metrics_merge import merge_replica_metrics
         from tandem.scale.router_directory import REGISTRY
 
-        texts = {n: (r.decode() if isinstance(r, bytes) else r)
-                 for n, r in (await ing.each_replica("metrics")).items() if not isinstance(r, BaseException)}
+        # None: a replica that did not answer, counted in tandem:replica_metrics_errors
+        texts = {n: None if isinstance(r, BaseException) else r
+                 for n, r in (await ing.each_replica("metrics")).items()}
         body = merge_replica_metrics(texts, generate_latest(REGISTRY).decode())
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -188,7 +189,7 @@ async def _relay(ing: Ingress, request: Request, fwd: Forwarded) -> Response:
         response.raw_headers = headers
         return response
     collecting = asyncio.ensure_future(_collect(stream))
-    watch = asyncio.ensure_future(_watch_disconnect(request))
+    watch = asyncio.ensure_future(watch_disconnect(request))
     done, _ = await asyncio.wait({collecting, watch}, return_when=asyncio.FIRST_COMPLETED)
     if collecting not in done:  # the client went away: the replica's app aborts its requests
         collecting.cancel()
@@ -225,11 +226,6 @@ async def _events(stream) -> AsyncIterator[bytes]:
 
 async def _collect(stream) -> bytes:
     return b"".join([chunk async for chunk in stream])
-
-
-async def _watch_disconnect(request: Request) -> None:
-    while not await request.is_disconnected():
-        await asyncio.sleep(0.2)
 
 
 def _replica_failed(exc: BaseException) -> JSONResponse:

@@ -222,7 +222,7 @@ async def _respond(state: ServerState, request: Request, jobs: list[Job], req, c
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     collecting = asyncio.ensure_future(collect(merged_outputs(state, jobs, queues)))
-    watch = asyncio.ensure_future(_watch_disconnect(request))
+    watch = asyncio.ensure_future(watch_disconnect(request))
     done, _ = await asyncio.wait({collecting, watch}, return_when=asyncio.FIRST_COMPLETED)
     if collecting not in done:  # the client went away: abort everything it asked for
         collecting.cancel()
@@ -234,6 +234,7 @@ async def _respond(state: ServerState, request: Request, jobs: list[Job], req, c
     return full_response(state, jobs, finals, rid, created, chat, tools)
 
 
-async def _watch_disconnect(request: Request) -> None:
+async def watch_disconnect(request: Request) -> None:
+    """Returns once the client has gone away."""
     while not await request.is_disconnected():
         await asyncio.sleep(DISCONNECT_POLL_S)

@@ -4,7 +4,6 @@ loop thread, the Prometheus collectors and the optional trace together."""
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -86,6 +85,6 @@ def build_state(engine_config: EngineConfig, server_config: ServerConfig) -> Ser
         engine=engine, async_engine=async_engine, metrics=metrics, tracer=tracer,
         chat=ChatFormatter(loaded.tokenizer, loaded.spec.family), tokenizer=loaded.tokenizer, model_name=name,
         config=server_config, engine_config=engine_config,
-        api_key=server_config.api_key or os.environ.get("TANDEM_API_KEY") or None, created=unix_time(), paths=paths,
+        api_key=server_config.resolved_api_key(), created=unix_time(), paths=paths,
         offload=Offload(server_config.tokenizer_threads), paths_line=loaded.paths_line(),
     )
