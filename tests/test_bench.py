@@ -175,6 +175,27 @@ def test_mixed_workload_file_roundtrip(tmp_path):
         Workload.load(tmp_path / "bad.yaml")
 
 
+class CharTokenizer:
+    """One token per character: a token stream of another length than WordTokenizer's."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % 1000 for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def test_drawn_lengths_do_not_depend_on_the_tokenizer():
+    # the simulator cuts a workload with its own tokenizer: it must see the same requests
+    w = Workload(dataset="mixed", num_prompts=200, seed=5, classes=[
+        RequestClass("chat", 0.5, LengthDist("lognormal", 60, sigma=0.8, max=400), LengthDist("lognormal", 30)),
+        RequestClass("docs", 0.5, LengthDist("uniform", 0, min=50, max=300), LengthDist("fixed", 8), prefix_len=10),
+    ])
+    def shape(tok):
+        return [(r.class_name, r.input_len, r.output_len) for r in build_requests(w, tok)]
+    assert shape(WordTokenizer()) == shape(CharTokenizer())
+
+
 def test_trace_replay(tmp_path):
     trace = tmp_path / "trace.jsonl"
     trace.write_text("\n".join(json.dumps({"timestamp": 100 + t, "input_len": 5 + i, "output_len": 3, "class": c})

@@ -83,7 +83,9 @@ class TextPool:
         self.tokenizer = tokenizer
 
     def take(self, rng: random.Random, n: int) -> str:
-        start = rng.randrange(len(self.ids))
+        # one draw whatever the pool's length: the lengths and arrivals drawn after it must not
+        # depend on the tokenizer (the simulator's and the model's cut the same workload)
+        start = min(int(rng.random() * len(self.ids)), len(self.ids) - 1)
         out = []
         while len(out) < n:
             out.extend(self.ids[start : start + n - len(out)])
