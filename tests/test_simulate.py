@@ -93,6 +93,7 @@ def test_fit_recovers_known_coefficients_from_synthetic_steps():
     (lambda d: d.update(kv_num_blocks=0), "kv_num_blocks: must be an integer >= 1"),
     (lambda d: d.update(schema="v0"), "schema: must be one of tandem-sim-profile/1"),
     (lambda d: d.update(max_modle_len=5), "max_modle_len: unknown field"),
+    (lambda d: d.update(add_bos="yes"), "add_bos: must be true or false"),
 ])
 def test_profile_schema_errors_name_the_field(mutate, message):
     d = json.loads(json.dumps(MEASURED))
@@ -157,6 +158,19 @@ def test_simulate_is_deterministic_for_a_seed(tmp_path):
     tok = PlainTokenizer(SimTokenizer())
     a, b = (scenario_requests("sharegpt-bursty", None, tok, seed)[:2] for seed in (3, 4))
     assert a[1] != b[1] and [r.input_len for r in a[0]] != [r.input_len for r in b[0]]
+
+
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_simulated_prompts_get_the_models_bos_token(tmp_path, add_bos):
+    # a real tokenizer puts BOS before the text cut to N tokens: the engine prefills N + 1
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({**MEASURED, "add_bos": add_bos}))
+    cfg = SimulateConfig(scenario="equal", configs=("policy=chunked,max_num_batched_tokens=512",),
+                         profile=str(path), result_dir=str(tmp_path / "r"))
+    data = run_simulate(cfg)
+    ev = data["evaluations"][0]
+    assert sum(s.num_prefill_tokens for s in ev.steps) == 24 * (256 + add_bos)
+    assert all(r.prompt_tokens == 256 + add_bos for r in ev.data.results)
 
 
 def test_simulated_step_costs_forward_plus_overhead():

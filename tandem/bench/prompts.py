@@ -32,6 +32,8 @@ class PlainTokenizer:
         backend = getattr(self.tokenizer, "backend", None)
         if backend is not None:
             return backend.encode(text, add_special_tokens=False).ids
+        if getattr(self.tokenizer, "add_bos", False):  # the simulator's tokenizer with a BOS
+            return self.tokenizer.encode(text, add_special_tokens=False)
         return self.tokenizer.encode(text)
 
     def decode(self, ids) -> str:

@@ -40,7 +40,7 @@ class SimEvaluator:
 
         def one():
             return sim_engine(config, p.cost, p.num_kv_blocks, p.block_size, p.max_model_len, overhead=p.overhead,
-                              prior=p.prior, vocab_size=p.vocab_size)
+                              prior=p.prior, vocab_size=p.vocab_size, add_bos=p.add_bos)
 
         if not routing:
             return one()

@@ -25,7 +25,7 @@ from tandem.models.spec import ModelSpec
 from tandem.sim import Cost
 from tandem.sim.design import design, fit_cost
 from tandem.sim.roofline import DEVICE_FIELDS, DTYPE_BYTES, Device, RooflineCost, kv_blocks
-from tandem.sim.schema import SchemaError, integer, mapping, name_or, number, text, validate
+from tandem.sim.schema import SchemaError, boolean, integer, mapping, name_or, number, text, validate
 
 SCHEMA = "tandem-sim-profile/1"
 SHIPPED = Path(__file__).parent / "profiles"
@@ -40,6 +40,7 @@ _COMMON = {
     "max_model_len": (integer(1), False),
     "kv_num_blocks": (integer(1), False),
     "vocab_size": (integer(2), False),
+    "add_bos": (boolean(), False),
 }
 MEASURED = mapping({
     **_COMMON,
@@ -80,6 +81,8 @@ class Profile:
     vocab_size: int = 1000
     info: dict[str, Any] = field(default_factory=dict)
     """What the report says about the profile (kind, source, machine or device, model)."""
+    add_bos: bool = True
+    """Whether the model's tokenizer puts a BOS token before each prompt (most do)."""
 
 
 def _read_json(path: Path, what: str) -> Any:
@@ -144,7 +147,7 @@ def _measured(d: dict) -> Profile:
     info = {"profile": d["name"], "kind": "measured", "machine": d["machine"], "model": d["model"],
             "dtype": d["dtype"], "quantization": d["quantization"], "date": d["date"]}
     return Profile(d["name"], "measured", forward, prior, d["kv_num_blocks"], d.get("block_size", 16),
-                   d["max_model_len"], overhead, d.get("vocab_size", 1000), info)
+                   d["max_model_len"], overhead, d.get("vocab_size", 1000), info, d.get("add_bos", True))
 
 
 def _roofline(d: dict, base: Path) -> Profile:
@@ -163,7 +166,8 @@ def _roofline(d: dict, base: Path) -> Profile:
     prior = fit_cost(cost.of_spans, design(blocks * block_size, max_len, max_chunk=8192, block_size=block_size))
     info = {"profile": d["name"], "kind": "roofline", "device": device.name, "device_source": device.source,
             "model": model_src, "dtype": dtype, "kv_tokens": blocks * block_size}
-    return Profile(d["name"], "roofline", cost, prior, blocks, block_size, max_len, None, spec.vocab_size, info)
+    return Profile(d["name"], "roofline", cost, prior, blocks, block_size, max_len, None, spec.vocab_size, info,
+                   d.get("add_bos", True))
 
 
 def describe(profile: Profile) -> str:

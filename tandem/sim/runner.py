@@ -56,21 +56,27 @@ class SimRunner:
 
 
 _ID_WORD = re.compile(r"t(\d+)\Z")
+BOS_TOKEN_ID = 1
 
 
 class SimTokenizer:
     """One token per whitespace-separated word. Ids are a stable hash of the word (the same text
     gives the same ids in every process, so shared prefixes share ids and a seed reproduces a run),
     and ``decode`` writes ``t<id>`` words that encode back to the same ids: prompts cut to exact
-    token lengths by the scenario builders keep their lengths."""
+    token lengths by the scenario builders keep their lengths.
+
+    ``add_bos``: ``encode`` puts ``BOS_TOKEN_ID`` first, as the model's tokenizer does for a model
+    that wants a BOS token (the engine's prompts are one token longer than the words cut for them);
+    ``add_special_tokens=False`` leaves it out, as for the real tokenizer."""
 
     eos_token_ids: tuple[int, ...] = (0,)
 
-    def __init__(self, vocab_size: int = 1000) -> None:
+    def __init__(self, vocab_size: int = 1000, add_bos: bool = False) -> None:
         self.vocab_size = vocab_size
+        self.add_bos = add_bos
 
-    def encode(self, text: str) -> list[int]:
-        out = []
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        out = [BOS_TOKEN_ID] if self.add_bos and add_special_tokens else []
         for w in text.split():
             m = _ID_WORD.match(w)
             if m and 0 < int(m.group(1)) < self.vocab_size:
@@ -85,14 +91,15 @@ class SimTokenizer:
 
 def sim_engine(config: SchedulerConfig, cost: Cost, num_kv_blocks: int = 4096, block_size: int = 16,
                max_model_len: int = 16384, overhead: Cost | None = None, prior: StepCost | None = None,
-               vocab_size: int = 1000) -> Engine:
+               vocab_size: int = 1000, add_bos: bool = False) -> Engine:
     """``prior``: the step-time model's start-up estimate; by default the true cost of a step
-    (what a perfect start-up estimate gives), which needs ``cost`` and ``overhead`` to be StepCosts."""
+    (what a perfect start-up estimate gives), which needs ``cost`` and ``overhead`` to be StepCosts.
+    ``add_bos``: prompts get a BOS token, as the profiled model's tokenizer gives them."""
     clock = VirtualClock()
     if prior is None:
         parts = [c for c in (cost, overhead) if c is not None]
         if not all(isinstance(c, StepCost) for c in parts):
             raise ValueError("prior: a cost that is not a StepCost needs a StepCost prior for the step-time model")
         prior = StepCost(*(sum(v) for v in zip(*(c.vector() for c in parts))))  # type: ignore[attr-defined]
-    return Engine(config, SimRunner(clock, cost, vocab_size, overhead), SimTokenizer(vocab_size),
+    return Engine(config, SimRunner(clock, cost, vocab_size, overhead), SimTokenizer(vocab_size, add_bos),
                   KVLayout(num_kv_blocks, block_size), max_model_len, clock=clock, step_prior=prior)

@@ -33,6 +33,13 @@ def integer(minimum: int = 1) -> Rule:
     return check
 
 
+def boolean() -> Rule:
+    def check(path: str, v: Any) -> None:
+        if not isinstance(v, bool):
+            raise SchemaError(f"{path}: must be true or false, got {v!r}")
+    return check
+
+
 def text(choices: tuple[str, ...] | None = None) -> Rule:
     def check(path: str, v: Any) -> None:
         if not isinstance(v, str) or (choices is not None and v not in choices):
