@@ -71,6 +71,18 @@ def run_schedule(ours, seqs: list[torch.Tensor], chunk_sizes: list[int], seed: i
     return logits
 
 
+def test_prompt_chunks_of_unlike_shapes_get_groups_of_their_own():
+    from tandem.ops.paged_attention import prompt_sets
+
+    assert prompt_sets([(0, 64)] * 4, [0, 1, 2, 3]) == [[0, 1, 2, 3]]  # equal prompts: one batched group
+    assert sorted(prompt_sets([(1024, 41), (0, 193)], [5, 7])) == [[5], [7]]  # would pad 6.6x
+    sets = prompt_sets([(1024, 41), (0, 193), (1024, 46), (0, 190)], [0, 1, 2, 3])
+    assert sorted(map(sorted, sets)) == [[0, 2], [1, 3]]
+    meta = build_metadata([(1024, 1, list(range(300))), (1024, 41, list(range(300))), (0, 193, list(range(50)))],
+                          BLOCK, None, torch.device("cpu"))
+    assert [tuple(g.valid.shape) for g in meta.groups] == [(1, 1), (1, 193), (1, 41)]  # by context length
+
+
 def test_whole_prefill_matches(pair):
     ref, ours = pair
     torch.manual_seed(1)

@@ -2,16 +2,17 @@
 
 A step's tokens arrive flattened, ``[num_tokens, ...]``, mixing prefill chunks and decodes. The
 metadata built once per step (``AttentionMetadata``) maps them into padded per-sequence groups
-(decodes in one group, prompt chunks in another, so a long chunk does not pad every decode to
-its length) and gathers each sequence's keys through its block table. Masks encode causality,
-each sequence's context length and, for sliding-window layers, the window. No Python loop runs
-over sequences inside the forward pass. A prompt group is computed in tiles of ``QUERY_TILE``
-queries, each against only the keys some query of the tile may see (up to the tile's last
-position; for a sliding-window layer, from the window's start at the tile's first), so a long
-chunk costs its causal pairs, not every (query, key) pair, and a sliding-window layer its window. Where the op table has a decode-attention kernel (on the
-CPU in float32 or bfloat16: ``tandem/kernels/decode_attention.c`` and its bf16 form), the decode
-group (one query per sequence) instead runs it: keys and values read through the block tables
-directly, no gathered copy and no mask.
+(decodes in one group, prompt chunks in groups of similar shape, ``prompt_sets``, so a long
+chunk pads neither the decodes nor a short chunk to its length) and gathers each sequence's keys
+through its block table. Masks encode causality, each sequence's context length and, for
+sliding-window layers, the window. No Python loop runs over the sequences of a group inside the
+forward pass. A prompt group is computed in tiles of ``QUERY_TILE`` queries, each against only the
+keys some query of the tile may see (up to the tile's last position; for a sliding-window layer,
+from the window's start at the tile's first), so a long chunk costs its causal pairs, not every
+(query, key) pair, and a sliding-window layer its window. Where the op table has a
+decode-attention kernel (on the CPU in float32 or bfloat16: ``tandem/kernels/decode_attention.c``
+and its bf16 form), the decode group (one query per sequence) instead runs it: keys and values
+read through the block tables directly, no gathered copy and no mask.
 """
 
 from __future__ import annotations
@@ -26,6 +27,13 @@ import torch.nn.functional as F
 QUERY_TILE = 256
 """Queries of a prompt group per SDPA call: small enough that the keys a tile skips (past its last
 query, before a sliding window) are most of what a long chunk would otherwise compute."""
+
+
+PAD_SLACK = 1.5
+"""How much padding a prompt group may carry: its padded (query, key) grid at most this many times
+the pairs its chunks hold. A chunk that would pad more starts a group of its own: a 41-token chunk
+at position 1024 beside a 193-token prompt would otherwise pad both to 193 queries and 1,065 keys
+(a step twice as slow as the two apart on the Zen 5 this was measured on)."""
 
 
 @dataclass
@@ -71,8 +79,7 @@ def build_metadata(
     prefill = [i for i, (_, n, _) in enumerate(seqs) if n > 1]
     groups = [
         _group([seqs[i] for i in idx], [offsets[i] for i in idx], block_size, sliding_window, device)
-        for idx in (decode, prefill)
-        if idx
+        for idx in ([decode] if decode else []) + prompt_sets([(seqs[i][0], seqs[i][1]) for i in prefill], prefill)
     ]
     return AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
@@ -81,6 +88,26 @@ def build_metadata(
         block_size=block_size,
         sliding_window=sliding_window,
     )
+
+
+def prompt_sets(spans: list[tuple[int, int]], ids: list[int], slack: float = PAD_SLACK) -> list[list[int]]:
+    """Prompt chunks ``(start, tokens)`` (named by ``ids``) split into groups that pad little: in
+    order of context length, a chunk joins the current group while the group's padded (query, key)
+    grid stays within ``slack`` times the pairs its chunks hold; equal chunks stay one group."""
+    out: list[list[int]] = []
+    group: list[tuple[int, int, int]] = []
+    for i, (start, n) in sorted(zip(ids, spans), key=lambda t: (t[1][0] + t[1][1], t[1][1])):
+        trial = group + [(i, start, n)]
+        q = max(m for _, _, m in trial)
+        k = max(a + m for _, a, m in trial)
+        held = sum(m * (a + m) for _, a, m in trial)
+        if group and len(trial) * q * k > slack * held:
+            out.append([j for j, _, _ in group])
+            trial = [(i, start, n)]
+        group = trial
+    if group:
+        out.append([j for j, _, _ in group])
+    return out
 
 
 def _group(
