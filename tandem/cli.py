@@ -208,7 +208,8 @@ def _run_compare(args: argparse.Namespace) -> int:
     cfg = dataclass_from_args(CompareConfig, args)
     base = engine_config_from_args(args, seed=cfg.seed)
     out = run_compare(None if cfg.workload else cfg.scenario, cfg.workload, list(cfg.configs), base,
-                      cfg.result_dir, list(cfg.goodput), cfg.seed, cfg.max_duration, evaluator=from_config(cfg, base))
+                      cfg.result_dir, list(cfg.goodput), cfg.seed, cfg.max_duration, evaluator=from_config(cfg, base),
+                      repeats=cfg.repeats)
     return _print_report(Path(cfg.result_dir, "compare.md"), out["paths"])
 
 

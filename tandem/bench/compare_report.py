@@ -14,7 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from tandem.bench import breakdown, frontier  # noqa: E402
+from tandem.bench import breakdown, frontier, repeats  # noqa: E402
 from tandem.bench.evaluate import Evaluation  # noqa: E402
 from tandem.bench.report import save_figure  # noqa: E402
 from tandem.bench.results import results_json, row  # noqa: E402
@@ -163,9 +163,11 @@ def write_compare_report(out: Path, evaluations: list[Evaluation], meta: dict) -
         plot_step_mix(evaluations, out / PLOTS[2])
     else:  # launched servers: their steps are not seen from outside
         plots.remove(PLOTS[2])
+    runs = meta.get("repeats", 1)
     md = [f"# Comparison{' (simulated)' if meta.get('simulated') else ''}: {meta['scenario']}", "",
           meta["description"], "",
-          f"{meta['num_requests']} requests, the same for every configuration (seed {meta['seed']}).", ""]
+          f"{meta['num_requests']} requests, the same for every configuration (seed {meta['seed']})"
+          + (f"; every configuration ran {runs} times, figures are medians (see *Repeats*)." if runs > 1 else "."), ""]
     if meta.get("simulated"):
         md += [f"SIMULATED, not measured: the real scheduler on a virtual clock, steps priced by the "
                f"{meta['profile']}. Seconds are virtual.", ""]
@@ -177,6 +179,7 @@ def write_compare_report(out: Path, evaluations: list[Evaluation], meta: dict) -
         md += ["Goodput SLOs: " + ", ".join(f"{k} <= {v:g} ms" for k, v in meta["goodput_slos_ms"].items()), ""]
     md += _extra_sections(evaluations, out, plots)
     md += replicas_section(evaluations)
+    md += repeats.section(evaluations)
     md += servers_section(evaluations, meta)
     md += [f"![{p}]({p})" for p in plots]
     text = "\n".join(md) + "\n"

@@ -148,6 +148,9 @@ class CompareConfig(LaunchOptions):
     result_dir: str = field(default="compare-results", metadata=_help("where the report goes"))
     seed: int = field(default=0, metadata=_help("seed of the requests (the same for every configuration)"))
     max_duration: float = field(default=1800.0, metadata=_help("seconds each configuration may run"))
+    repeats: int = field(default=1, metadata=_help(
+        "runs of every configuration, round by round (each once, then each again); the report gives medians, "
+        "each run's figures, and for an ITL target the rounds it won"))
     server: tuple[str, ...] = field(default=(), metadata=_help(
         "NAME=COMMAND: a launched server as one configuration (repeatable; replaces --configs); the command's "
         "{port} (and {model}) placeholders are filled for each run", action="append"))

@@ -70,6 +70,9 @@ class Evaluation:
     """A launched server's trial: its command, log file, and error and log tail if it failed."""
     replicas: dict | None = None
     """A simulation of replicas behind a router: requests and prefix blocks per replica."""
+    runs: list[dict] | None = None
+    """Each run's figures when the configuration ran several times (``tandem.bench.repeats``);
+    ``summary`` then holds their medians."""
 
 
 class InProcessEvaluator:

@@ -64,26 +64,51 @@ def plot_frontier(evaluations: list[Evaluation], path: Path) -> None:
     save_figure(fig, path)
 
 
+def _judge(points: list[tuple[Evaluation, float, float]]) -> list[tuple[Evaluation, float, float, float, list]]:
+    """``points``: (configuration, ITL p99, TTFT p99). Per ITL target and configuration that has it:
+    (configuration, target, ITL p99, TTFT p99, the fixed-budget points that meet the target)."""
+    out = []
+    fixed = [p for p in points if not p[0].candidate.overrides.get("target_itl_ms")]
+    for t in targets([p[0] for p in points]):
+        for e, itl, ttft in points:
+            if float(e.candidate.overrides.get("target_itl_ms") or 0) == t:
+                out.append((e, t, itl, ttft, [f for f in fixed if f[1] <= t]))
+    return out
+
+
 def verdict(evaluations: list[Evaluation]) -> list[str]:
     """Per ITL target: does the target configuration meet it, and how does its TTFT p99 compare
-    with every fixed-budget configuration that also meets it."""
+    with every fixed-budget configuration that also meets it (on medians, for repeated runs); with
+    repeats, also in how many rounds it won when each round is judged on its own runs."""
     out = []
-    fixed = [e for e in evaluations if not e.candidate.overrides.get("target_itl_ms") and _finite(e)]
-    for t in targets(evaluations):
-        for e in evaluations:
-            if float(e.candidate.overrides.get("target_itl_ms") or 0) != t or not _finite(e):
-                continue
-            itl, ttft = _point(e)
-            meeting = [f for f in fixed if _point(f)[0] <= t]
-            line = (f"- target {t:g} ms, **{e.candidate.name}**: ITL p99 {itl:,.0f} ms "
-                    f"({'meets' if itl <= t else 'misses'} the target), TTFT p99 {ttft:,.0f} ms; ")
-            if not meeting:
-                line += "no fixed budget meets the target."
-            else:
-                best = min(meeting, key=lambda f: _point(f)[1])
-                lower = all(ttft < _point(f)[1] for f in meeting)
-                line += (f"{len(meeting)} fixed budget(s) meet it, the best TTFT p99 among them "
-                         f"{_point(best)[1]:,.0f} ms ({best.candidate.name}): the target's TTFT p99 is "
-                         f"{'lower than every one' if lower else 'not lower than all'} of them.")
-            out.append(line)
+    for e, t, itl, ttft, meeting in _judge([(e, *_point(e)) for e in evaluations if _finite(e)]):
+        line = (f"- target {t:g} ms, **{e.candidate.name}**: ITL p99 {itl:,.0f} ms "
+                f"({'meets' if itl <= t else 'misses'} the target), TTFT p99 {ttft:,.0f} ms; ")
+        if not meeting:
+            line += "no fixed budget meets the target."
+        else:
+            best = min(meeting, key=lambda f: f[2])
+            lower = all(ttft < f[2] for f in meeting)
+            line += (f"{len(meeting)} fixed budget(s) meet it, the best TTFT p99 among them "
+                     f"{best[2]:,.0f} ms ({best[0].candidate.name}): the target's TTFT p99 is "
+                     f"{'lower than every one' if lower else 'not lower than all'} of them.")
+        out.append(line)
+    out += _rounds(evaluations)
     return out
+
+
+def _rounds(evaluations: list[Evaluation]) -> list[str]:
+    """Repeated runs: round i is every configuration's i-th run; per target configuration, the rounds
+    in which it met the target and had a lower TTFT p99 than every fixed budget meeting it."""
+    n = min((len(e.runs) for e in evaluations if e.runs), default=0)
+    if n < 2 or any(not e.runs for e in evaluations):
+        return []
+    wins: dict[tuple[str, float], int] = {}
+    for i in range(n):
+        points = [(e, e.runs[i]["p99_itl_ms"], e.runs[i]["p99_ttft_ms"]) for e in evaluations]
+        points = [p for p in points if all(isinstance(v, (int, float)) and math.isfinite(v) for v in p[1:])]
+        for e, t, itl, ttft, meeting in _judge(points):
+            won = itl <= t and all(ttft < f[2] for f in meeting)
+            wins[(e.candidate.name, t)] = wins.get((e.candidate.name, t), 0) + won
+    return [f"- target {t:g} ms, **{name}**, round by round: it met the target with a TTFT p99 lower than every "
+            f"fixed budget that met it in {k} of {n} rounds." for (name, t), k in wins.items()]

@@ -19,14 +19,13 @@ by the same rule, and the report says which of the two the recommendation is.
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from tandem.bench.repeats import median_summary
+
 DEFAULT_CHUNKS = (32, 64, 128, 256, 512, 1024, 2048)
 DEFAULT_SEQS = (4, 8, 16, 32, 64)
-KEYS = ("output_throughput", "total_token_throughput", "request_goodput", "median_ttft_ms", "p99_ttft_ms",
-        "median_itl_ms", "p99_itl_ms", "p99_stall_ms", "completed", "failed")
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,7 @@ class Trial:
     @property
     def summary(self) -> dict:
         """The median of each metric over the runs."""
-        return {k: statistics.median(r.get(k) if r.get(k) is not None else math.nan for r in self.runs) for k in KEYS}
+        return median_summary(self.runs)
 
     def key(self) -> tuple:
         return tuple(sorted(self.overrides.items()))
