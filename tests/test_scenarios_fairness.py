@@ -73,9 +73,9 @@ class _TenantEngine:
     def __init__(self, engine):
         self._engine, self.users = engine, []
 
-    def add_request(self, prompt, params=None, user: str = ""):
+    def add_request(self, prompt, params=None, user: str = "", arrival_time=None):
         self.users.append(user)
-        return self._engine.add_request(prompt, params, user=user)
+        return self._engine.add_request(prompt, params, user=user, arrival_time=arrival_time)
 
     def __getattr__(self, name):
         return getattr(self._engine, name)

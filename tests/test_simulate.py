@@ -173,6 +173,24 @@ def test_simulated_prompts_get_the_models_bos_token(tmp_path, add_bos):
     assert all(r.prompt_tokens == 256 + add_bos for r in ev.data.results)
 
 
+def test_in_process_ttft_counts_from_arrival_not_from_the_next_step_boundary():
+    from tandem.bench.prompts import BenchRequest
+    from tandem.bench.replay import run_inprocess
+    from tandem.bench.workload import ArrivalSpec
+
+    engine = sim_engine(SchedulerConfig(), StepCost(base=1.0, per_token=0.0, per_seq=0.0))
+    reqs = [BenchRequest(i, "c", "a b c d", 4, 2) for i in range(2)]
+    data = run_inprocess(engine, reqs, [0.0, 0.5], ArrivalSpec(), True, 60)
+    first, second = data.results
+    assert first.ttft == pytest.approx(1.0)
+    # it arrived while the first request's 1 s step ran: it waits 0.5 s, then its own step
+    assert second.send_time == 0.5 and second.ttft == pytest.approx(1.5)
+    # closed loop: a request held back by --max-concurrency counts from when a place freed up
+    engine = sim_engine(SchedulerConfig(), StepCost(base=1.0, per_token=0.0, per_seq=0.0))
+    data = run_inprocess(engine, reqs, [0.0, 0.0], ArrivalSpec(max_concurrency=1), True, 60)
+    assert data.results[1].send_time == pytest.approx(data.results[0].finish_time)
+
+
 def test_simulated_step_costs_forward_plus_overhead():
     p = profile_from_dict(MEASURED)
     engine = SimEvaluator(p).engine({"max_num_batched_tokens": 64})

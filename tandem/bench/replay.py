@@ -184,15 +184,19 @@ def run_inprocess(
     results: dict[int, RequestResult] = {}
     samples: list = []
     limit = arrival.max_concurrency or math.inf
+    freed_at = 0.0  # when --max-concurrency last let a waiting request go
     while (nxt < len(order) or in_flight) and clock() < max_duration:
         while nxt < len(order) and offsets[order[nxt]] <= clock() and len(in_flight) < limit:
             i = order[nxt]
             nxt += 1
             req = requests[i]
             params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=ignore_eos)
-            res = RequestResult.of(req, clock())
+            # it arrived at its offset (or when a place freed up), not when the step running then
+            # ended: that wait is part of its TTFT, as a client of a server would see it
+            sent = max(offsets[i], freed_at)
+            res = RequestResult.of(req, sent)
             try:
-                rid = engine.add_request(req.prompt, params, user=req.user)
+                rid = engine.add_request(req.prompt, params, user=req.user, arrival_time=clock0 + sent)
             except ValueError as exc:
                 res.error = f"rejected: {exc}"
                 results[i] = res
@@ -211,9 +215,12 @@ def run_inprocess(
         for out in engine.step():
             if not out.finished:
                 continue
+            full = len(in_flight) >= limit
             i = in_flight.pop(out.request_id)
             res = results[i]
             t = out.timing
+            if full:
+                freed_at = max(freed_at, (t.finish or engine.clock()) - clock0)
             res.prompt_tokens = len(out.prompt_token_ids)
             res.cached_tokens = out.num_cached_tokens
             res.output_tokens = len(out.token_ids)
