@@ -90,10 +90,12 @@ def build_metadata(
     )
 
 
-def prompt_sets(spans: list[tuple[int, int]], ids: list[int], slack: float = PAD_SLACK) -> list[list[int]]:
+def prompt_sets(spans: list[tuple[int, int]], ids: list[int], slack: float | None = None) -> list[list[int]]:
     """Prompt chunks ``(start, tokens)`` (named by ``ids``) split into groups that pad little: in
     order of context length, a chunk joins the current group while the group's padded (query, key)
-    grid stays within ``slack`` times the pairs its chunks hold; equal chunks stay one group."""
+    grid stays within ``slack`` (default ``PAD_SLACK``) times the pairs its chunks hold; equal
+    chunks stay one group."""
+    slack = PAD_SLACK if slack is None else slack
     out: list[list[int]] = []
     group: list[tuple[int, int, int]] = []
     for i, (start, n) in sorted(zip(ids, spans), key=lambda t: (t[1][0] + t[1][1], t[1][1])):
