@@ -1,7 +1,11 @@
 """How well the simulator predicts this machine: calibrate a measured profile, then run every
 built-in scenario with compare's default configurations for real and in the simulator, and
 compare output throughput, TTFT p50/p99 and ITL p50/p99. Target: median |error| <= 10%.
-With ``--repeats N`` every real configuration runs N times round by round and the measured
+
+The profile is calibrated again before each scenario (``--calibrate each``, the default), so a
+machine whose speed drifts over the hour is measured minutes before the runs it predicts; the
+report lists a few designed steps of every calibration, which shows how far the machine itself
+moved. With ``--repeats N`` every real configuration runs N times round by round and the measured
 figures are medians (the simulator is deterministic: one run).
 
     .venv/bin/python benchmarks/sim_accuracy.py --out docs/results/sim-accuracy
@@ -10,7 +14,7 @@ figures are medians (the simulator is deterministic: one run).
 
 Then TNG's equal-size case on the calibrated profile (the CPU contrast to the H100 roofline run):
 
-    .venv/bin/python benchmarks/sim_tng.py --profile docs/results/sim-accuracy/profile.json \\
+    .venv/bin/python benchmarks/sim_tng.py --profile docs/results/sim-accuracy/profile-equal.json \\
         --concurrency 1,2,4,8,16,32 --out docs/results/sim-tng-cpu
 
 Each scenario's real run takes what `tandem compare` takes (minutes per configuration on a 2-core
@@ -46,6 +50,16 @@ def _by_load(result: dict, scenario: str) -> dict[str, list]:
     return {scenario: result["evaluations"]}
 
 
+REFERENCE = {"prefill 256": [[0, 256, 1]], "decode x16 at 128": [[128, 1, 16]], "decode x1 at 1024": [[1024, 1, 1]]}
+"""Designed steps whose calibrated times show how the machine's speed moved between calibrations."""
+
+
+def reference_steps(scenario: str, profile: dict) -> dict:
+    timed = {json.dumps(t["spans"]): t["seconds"] for t in profile["fit"]["timed"]}
+    return {"before": scenario, "date": profile["date"],
+            **{k: 1000 * timed[json.dumps(v)] for k, v in REFERENCE.items() if json.dumps(v) in timed}}
+
+
 def compare_rows(scenario: str, real: dict, sim: dict) -> list[dict]:
     """One row per (load, configuration): each metric measured, simulated and the relative error."""
     from tandem.bench.results import row
@@ -68,7 +82,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
     errors = [(abs(r[m]["error"]), r, m) for r in rows for m, _ in METRICS if r[m]["error"] is not None]
     med = statistics.median(e for e, _, _ in errors) if errors else float("nan")
     worst = max(errors, key=lambda t: t[0]) if errors else None
-    md = ["# Simulator accuracy on this machine", "", f"Profile: {meta['profile']}.", "",
+    cal = meta.get("calibrations") or []
+    profile = (f"one per scenario, each calibrated just before it ran (`profile-SCENARIO.json`); the last: "
+               f"{meta['profile']}" if len(cal) > 1 else meta["profile"])
+    md = ["# Simulator accuracy on this machine", "", f"Profile: {profile}.", "",
           f"    {meta['command']}", ""]
     if meta.get("repeats", 1) > 1:
         md += [f"Measured figures are medians of {meta['repeats']} runs of each configuration, round by round.", ""]
@@ -80,6 +97,13 @@ def markdown(rows: list[dict], meta: dict) -> str:
         es = [abs(r[m]["error"]) for r in rows if r[m]["error"] is not None]
         if es:
             md.append(f"- {name}: median |error| {100 * statistics.median(es):.1f}%, worst {100 * max(es):.0f}%")
+    if len(cal) > 1:
+        md += ["", "Designed steps of those calibrations (ms): how much the machine's own speed moved during the run.",
+               "",
+               "| before | at | " + " | ".join(REFERENCE) + " |", "|---" * (len(REFERENCE) + 2) + "|"]
+        for c in cal:
+            md.append(f"| {c['before']} | {c['date']} | " + " | ".join(f"{c.get(k, float('nan')):,.1f}"
+                                                                       for k in REFERENCE) + " |")
     head = " | ".join(f"{name} real / sim (err)" for _, name in METRICS)
     md += ["", f"| load | configuration | {head} |", "|---" * (len(METRICS) + 2) + "|"]
     for r in rows:
@@ -95,7 +119,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--profile", help="a measured profile to use instead of calibrating first")
+    ap.add_argument("--profile", help="a measured profile to use instead of calibrating")
+    ap.add_argument("--calibrate", choices=("each", "once"), default="each",
+                    help="calibrate before each scenario (default: a machine whose speed drifts is measured close "
+                         "to the runs it predicts) or once at the start")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated built-in scenarios")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-duration", type=float, default=1800.0)
@@ -106,20 +133,22 @@ def main(argv: list[str] | None = None) -> int:
     base = engine_config_from_args(args, seed=args.seed)
     out = Path(args.out)
     real_ev = InProcessEvaluator(base)
-    profile_path = args.profile
-    if not profile_path:
-        profile_path = str(out / "profile.json")
-        run_calibrate(CalibrateConfig(output=profile_path), base, loaded=real_ev.loaded)
-    profile = load_profile(profile_path)
-    sim_ev = SimEvaluator(profile, base.scheduler)
-    rows = []
+    rows, calibrations = [], []
+    path = args.profile
     t0 = time.perf_counter()
     for name in args.scenarios.split(","):
+        if not args.profile and (args.calibrate == "each" or not calibrations):
+            path = str(out / (f"profile-{name}.json" if args.calibrate == "each" else "profile.json"))
+            run_calibrate(CalibrateConfig(output=path), base, loaded=real_ev.loaded)
+            calibrations.append(reference_steps(name, json.loads(Path(path).read_text())))
+        profile = load_profile(path)
+        sim_ev = SimEvaluator(profile, base.scheduler)
         real = run_compare(name, None, [], base, str(out / "real" / name), None, args.seed, args.max_duration, real_ev,
                            repeats=args.repeats)
         sim = run_compare(name, None, [], base, str(out / "sim" / name), None, args.seed, args.max_duration, sim_ev)
         rows += compare_rows(name, real, sim)
     meta = {"profile": describe(profile), "date": time.strftime("%Y-%m-%d %H:%M"), "repeats": args.repeats,
+            "calibrations": calibrations,
             "command": "benchmarks/sim_accuracy.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "seconds": round(time.perf_counter() - t0)}
     (out / "accuracy.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
