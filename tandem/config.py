@@ -103,6 +103,16 @@ class SchedulerConfig:
             "so the target scales with the machine and the batch; 0 turns it off"
         ),
     )
+    itl_overrun_share: float = field(
+        default=0.0,
+        metadata=_help(
+            "chunked, with an ITL target: the share of recent inter-token gaps (the last 4096) that may run "
+            "over the target. While those that did stay below that share, a step with prompts to compute takes the "
+            "whole --max-num-batched-tokens instead of the target's share: a p99 target leaves one gap in 100, "
+            "so 0.005 spends half of that on finishing prompts sooner; steps that ran over by misprediction "
+            "count too; 0 keeps every step within the target"
+        ),
+    )
     min_target_itl_ms: float = field(
         default=20.0, metadata=_help("the tightest target_itl_ms a request may ask for (400 below)")
     )
@@ -149,6 +159,9 @@ class SchedulerConfig:
         if not _finite(self.itl_target_factor, least=0.0) or 0 < self.itl_target_factor < 1:
             raise ValueError(f"itl_target_factor: must be 0 (off) or >= 1 (a step may not be shorter than its "
                              f"decodes alone), got {self.itl_target_factor!r}")
+        if not _finite(self.itl_overrun_share, least=0.0) or self.itl_overrun_share >= 0.5:
+            raise ValueError(f"itl_overrun_share: must be a share in [0, 0.5) of the inter-token gaps, "
+                             f"got {self.itl_overrun_share!r}")
         for name in ("min_target_itl_ms", "min_target_ttft_ms"):
             if not _finite(getattr(self, name), least=0.0):
                 raise ValueError(f"{name}: must be a number of milliseconds >= 0, got {getattr(self, name)!r}")

@@ -3,6 +3,7 @@ step cost the model knows): steps stay within the target while decodes run, ITL 
 target where a fixed large budget does not, the TTFT arbitration, and validation of the knobs
 and of the per-request fields (config, engine, HTTP 400)."""
 
+import dataclasses
 import random
 
 import pytest
@@ -11,7 +12,7 @@ from tandem.config import SchedulerConfig
 from tandem.core.budget import Planned
 from tandem.core.request import Request, SamplingParams
 from tandem.core.step_time import StepCost, StepTimeModel
-from tandem.core.target_budget import PrefillShare, itl_target
+from tandem.core.target_budget import OverrunLedger, PrefillShare, itl_target
 from tandem.sim import StepCost as SimStepCost
 from tandem.sim import sim_engine
 
@@ -93,6 +94,46 @@ def test_itl_p99_meets_the_target_where_a_fixed_budget_breaks_it():
     targeted = all_itls(collect(SchedulerConfig(max_num_batched_tokens=2048, target_itl_ms=T_MS))[1])
     assert p99(fixed) > 2 * T_MS / 1e3
     assert p99(targeted) <= T_MS / 1e3 * 1.02
+
+
+def test_overrun_ledger_worked_example():
+    ledger = OverrunLedger(0.01, window=1000)
+    assert not ledger.allows(4)  # nothing earned yet
+    for _ in range(99):
+        ledger.record(4, 0.030, 0.040)  # 396 gaps within the target
+    # 4 more gaps over it would make 4 of 400: exactly 1%
+    assert ledger.allows(4) and not ledger.allows(5)
+    ledger.record(4, 0.090, 0.040)
+    assert (ledger.gaps, ledger.over) == (400, 4) and not ledger.allows(1)
+    for _ in range(150):  # the window forgets the oldest steps, the overrun among them
+        ledger.record(4, 0.030, 0.040)
+    assert ledger.gaps <= 1000 and ledger.over == 4
+    for _ in range(150):
+        ledger.record(4, 0.030, 0.040)
+    assert ledger.over == 0 and ledger.allows(9)
+    ledger.record(0, 5.0, 0.040)  # a step without decodes is no gap
+    assert ledger.gaps <= 1000 and OverrunLedger(0.0).allows(1) is False
+
+
+def test_overrun_share_finishes_prompts_sooner_within_its_allowance():
+    base = SchedulerConfig(max_num_batched_tokens=2048, target_itl_ms=T_MS)
+    strict = collect(base)
+    spent = collect(dataclasses.replace(base, itl_overrun_share=0.005))
+    gaps = all_itls(spent[1])
+    over = sum(g > T_MS / 1e3 + 1e-9 for g in gaps)
+    assert 0 < over <= 0.005 * len(gaps) + 8  # at most one step's decodes beyond the share
+    assert p99(gaps) <= T_MS / 1e3 * 1.02
+    # the steps that ran over carried prompt tokens beyond the ITL share
+    assert any(s.num_decode_tokens and s.predicted_seconds > T_MS / 1e3 and s.num_prefill_tokens > BLOCK
+               for s in spent[1])
+    def first_tokens(steps):  # the same arrivals in both runs: the sums compare total TTFT
+        first = {}
+        for st in steps:
+            for c in st.chunks:
+                if c.samples:
+                    first.setdefault(c.request_id, st.start + st.duration)
+        return sum(first.values())
+    assert first_tokens(spent[1]) < first_tokens(strict[1])
 
 
 def test_full_budget_when_nothing_decodes():
@@ -205,6 +246,7 @@ def test_ttft_target_improves_long_prompts_in_the_sim():
     ("target_itl_ms", -1.0), ("target_itl_ms", float("inf")), ("target_ttft_ms", "100"),
     ("min_target_itl_ms", -5.0), ("step_model_window", 0), ("step_model_refit_every", 0),
     ("itl_target_factor", 0.5), ("itl_target_factor", -1.0), ("itl_target_factor", float("nan")),
+    ("itl_overrun_share", -0.01), ("itl_overrun_share", 0.5), ("itl_overrun_share", float("nan")),
 ])
 def test_config_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field}:"):

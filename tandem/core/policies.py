@@ -23,7 +23,7 @@ from tandem.core.queues import RequestQueues
 from tandem.core.registry import make
 from tandem.core.request import Request, RequestStatus
 from tandem.core.step_time import StepCost, StepTimeModel
-from tandem.core.target_budget import PrefillShare
+from tandem.core.target_budget import OverrunLedger, PrefillShare
 
 
 class PolicySettings(Protocol):
@@ -34,6 +34,7 @@ class PolicySettings(Protocol):
     target_itl_ms: float | None
     target_ttft_ms: float | None
     itl_target_factor: float
+    itl_overrun_share: float
     min_target_itl_ms: float
 
 
@@ -96,6 +97,9 @@ class ChunkedPolicy:
         # The engine replaces these with its fitted model and its clock (``use_step_model``).
         self.step_model = StepTimeModel(StepCost())
         self.clock: Callable[[], float] = time.monotonic
+        self.ledger = OverrunLedger(settings.itl_overrun_share)
+        self._planned: tuple[object, int, float] | None = None
+        """The last step sized to an ITL target: (the model's last observation then, its decodes, T)."""
 
     def use_step_model(self, model: StepTimeModel, clock: Callable[[], float]) -> None:
         self.step_model = model
@@ -118,6 +122,7 @@ class ChunkedPolicy:
                 budget.schedule_running(request, 1)
         share = PrefillShare(self.step_model, budget.planned, self.settings, budget.allocator.block_size,
                              self.clock())
+        self._spend_overrun(queues, share)
         # 2. Prompts already part-way through their prefill.
         for request in ranked:
             if budget.tokens_left <= 0:
@@ -142,6 +147,21 @@ class ChunkedPolicy:
                 break
             share.take(start, n)
             long_active += is_long
+
+
+    def _spend_overrun(self, queues: RequestQueues, share: PrefillShare) -> None:
+        """Settle the previous ITL-sized step against its measured time, then let this one take the
+        whole token budget if the overrun allowance has room and prompts are waiting to be computed."""
+        last = self.step_model.last
+        if self._planned is not None and last is not None and last is not self._planned[0]:
+            self.ledger.record(self._planned[1], last.seconds, self._planned[2])
+        self._planned = None
+        if share.target is None or not self.ledger.share:
+            return
+        self._planned = (last, share.num_decodes, share.target)
+        prompts = queues.waiting or any(r.is_prefilling for r in queues.running)
+        if prompts and self.ledger.allows(share.num_decodes):
+            share.overrun = True
 
 
 POLICY_REGISTRY: dict[str, Callable[[PolicySettings], Policy]] = {

@@ -96,6 +96,8 @@ class StepTimeModel:
         self.errors: deque[float] = deque(maxlen=error_window)
         """Relative error (predicted - measured) / measured of each step predicted before it ran."""
         self._since_fit = 0
+        self.last: Observation | None = None
+        """The most recent measured step (a policy settles what it planned against it)."""
 
     def predict(self, x: Sequence[float]) -> float:
         return self.coefficients.predict(x)
@@ -106,7 +108,8 @@ class StepTimeModel:
         if predicted is not None and seconds > 0:
             error = (predicted - seconds) / seconds
             self.errors.append(error)
-        self.window.append(Observation(x, seconds))
+        self.last = Observation(x, seconds)
+        self.window.append(self.last)
         self._since_fit += 1
         if self._since_fit >= self.refit_every:
             self.refit()

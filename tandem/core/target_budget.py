@@ -9,6 +9,14 @@ The rule, for one step, after the running decodes are planned:
   within T. Whatever the prediction says, the step gets one KV block (``block_size`` tokens) of
   prefill, so prompts never starve. With no decode running, or no target, the share is the
   whole token budget (``max_num_batched_tokens``).
+* **Overrun allowance.** With ``itl_overrun_share`` q > 0, the policy keeps a ledger of the
+  recent inter-token gaps (each decode of a measured step is one gap; over the target when the
+  step took longer than its T). While the gaps over T, plus this step's decodes, stay within q of
+  all of them, a step with prompt work takes the whole token budget instead of the ITL share.
+  A p99 target lets one gap in 100 run over; q = 0.005 spends half of that on finishing prompts
+  in fewer, larger steps, and steps that ran over by misprediction use up the same allowance.
+  With no gaps recorded yet there is no allowance: it is earned by steps within T, and only the
+  last ``OVERRUN_WINDOW`` gaps count, so idle time banks nothing.
 * **TTFT.** A prompt with a ``target_ttft_ms`` (its own, else the engine's) whose predicted
   first token, at the ITL share, lands after its deadline (arrival + target) may take more: the
   smallest chunk per step that meets the deadline. It does so only if that is possible within
@@ -23,6 +31,7 @@ chunk size (each carrying the current decodes), not the prompts queued ahead of 
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Protocol, Sequence
 
 from tandem.core.budget import Planned
@@ -37,6 +46,7 @@ class TargetSettings(Protocol):
     target_itl_ms: float | None
     target_ttft_ms: float | None
     itl_target_factor: float
+    itl_overrun_share: float
     min_target_itl_ms: float
 
 
@@ -63,6 +73,38 @@ def itl_target(decodes: Sequence[Request], default_ms: float | None) -> float | 
     return min(targets, default=None)
 
 
+OVERRUN_WINDOW = 4096
+"""Inter-token gaps the overrun ledger remembers."""
+
+
+class OverrunLedger:
+    """The recent inter-token gaps and how many ran over their step's ITL target."""
+
+    def __init__(self, share: float, window: int = OVERRUN_WINDOW) -> None:
+        self.share = share
+        self.window = window
+        self.steps: deque[tuple[int, int]] = deque()  # (gaps, of them over the target) per step
+        self.gaps = 0
+        self.over = 0
+
+    def record(self, decodes: int, seconds: float, target: float) -> None:
+        """A measured step with ``decodes`` running streams and the ITL target it was sized to."""
+        if decodes <= 0:
+            return
+        over = decodes if seconds > target else 0
+        self.steps.append((decodes, over))
+        self.gaps += decodes
+        self.over += over
+        while self.gaps - self.steps[0][0] >= self.window:
+            gaps, over = self.steps.popleft()
+            self.gaps -= gaps
+            self.over -= over
+
+    def allows(self, decodes: int) -> bool:
+        """May a step with ``decodes`` running streams run over the target?"""
+        return self.share > 0 and decodes > 0 and self.over + decodes <= self.share * (self.gaps + decodes)
+
+
 class PrefillShare:
     """One step's prefill allowance: ``size`` a chunk, then ``take`` it once it is scheduled."""
 
@@ -85,7 +127,10 @@ class PrefillShare:
 
     @property
     def limited(self) -> bool:
-        return self.target is not None
+        return self.target is not None and not self.overrun
+
+    overrun = False
+    """Set when the overrun allowance lets this step take the whole token budget."""
 
     def predicted(self) -> float:
         return self.model.predict(self.x)
