@@ -125,7 +125,8 @@ def test_itl_target_is_two_loads_with_a_target_and_fixed_budgets():
     with pytest.raises(ValueError, match="scenario: 'itl-target' is several loads"):
         scenario_requests("itl-target", None, SimTokenizer(), 0)
     parsed = [Candidate.parse(c).overrides for c in sc.configs]
-    assert sum(1 for o in parsed if o.get("target_itl_ms")) == 1
+    assert sum(1 for o in parsed if o.get("target_itl_ms")) == 2
+    assert sum(1 for o in parsed if o.get("itl_overrun_share")) == 1
     assert len({o["max_num_batched_tokens"] for o in parsed if not o.get("target_itl_ms")}) >= 3
 
 
