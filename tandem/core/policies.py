@@ -148,7 +148,6 @@ class ChunkedPolicy:
             share.take(start, n)
             long_active += is_long
 
-
     def _spend_overrun(self, queues: RequestQueues, share: PrefillShare) -> None:
         """Settle the previous ITL-sized step against its measured time, then let this one take the
         whole token budget if the overrun allowance has room and prompts are waiting to be computed."""
