@@ -14,7 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from tandem.bench import breakdown, frontier, repeats  # noqa: E402
+from tandem.bench import breakdown, frontier  # noqa: E402
 from tandem.bench.evaluate import Evaluation  # noqa: E402
 from tandem.bench.report import save_figure  # noqa: E402
 from tandem.bench.results import results_json, row  # noqa: E402
@@ -92,6 +92,24 @@ def replicas_section(evaluations: list[Evaluation]) -> list[str]:
             f"{100 * r['prefix_hit_share']:.0f}% ({100 * r['expected_share']:.0f}%)"
         md.append(f"| {e.candidate.name} | {r['routing']} | {' / '.join(map(str, r['requests_per_replica']))} | "
                   f"{', '.join(f'{k} {v}' for k, v in sorted(reasons.items()))} | {hit} |")
+    return md + [""]
+
+
+def repeats_section(evaluations: list[Evaluation]) -> list[str]:
+    """Configurations that ran several times (``tandem.bench.repeats``): each run's headline figures."""
+    repeated = [e for e in evaluations if e.runs]
+    if not repeated:
+        return []
+    n = max(len(e.runs) for e in repeated)
+    md = ["## Repeats", "",
+          f"Each configuration ran {n} times, round by round (every configuration once, then again), so a slow "
+          "spell of the machine falls on all of them alike. The tables above give each figure's median over the "
+          "runs; per-class tables and the plots show the run whose TTFT p99 is the median one. Each run, in order:",
+          "", "| configuration | output tok/s | TTFT p99 (ms) | ITL p99 (ms) |", "|---|---|---|---|"]
+    for e in repeated:
+        cells = [" / ".join(_f(r[key], digits) for r in e.runs)
+                 for key, digits in (("output_throughput", 1), ("p99_ttft_ms", 0), ("p99_itl_ms", 0))]
+        md.append(f"| {e.candidate.name} | " + " | ".join(cells) + " |")
     return md + [""]
 
 
@@ -179,7 +197,7 @@ def write_compare_report(out: Path, evaluations: list[Evaluation], meta: dict) -
         md += ["Goodput SLOs: " + ", ".join(f"{k} <= {v:g} ms" for k, v in meta["goodput_slos_ms"].items()), ""]
     md += _extra_sections(evaluations, out, plots)
     md += replicas_section(evaluations)
-    md += repeats.section(evaluations)
+    md += repeats_section(evaluations)
     md += servers_section(evaluations, meta)
     md += [f"![{p}]({p})" for p in plots]
     text = "\n".join(md) + "\n"

@@ -28,8 +28,12 @@ def _point(e: Evaluation) -> tuple[float, float]:
     return e.summary["p99_itl_ms"], e.summary["p99_ttft_ms"]
 
 
+def _finite_values(*values) -> bool:
+    return all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
+
+
 def _finite(e: Evaluation) -> bool:
-    return all(isinstance(v, (int, float)) and math.isfinite(v) for v in _point(e))
+    return _finite_values(*_point(e))
 
 
 def plot_frontier(evaluations: list[Evaluation], path: Path) -> None:
@@ -106,7 +110,7 @@ def _rounds(evaluations: list[Evaluation]) -> list[str]:
     wins: dict[tuple[str, float], int] = {}
     for i in range(n):
         points = [(e, e.runs[i]["p99_itl_ms"], e.runs[i]["p99_ttft_ms"]) for e in evaluations]
-        points = [p for p in points if all(isinstance(v, (int, float)) and math.isfinite(v) for v in p[1:])]
+        points = [p for p in points if _finite_values(*p[1:])]
         for e, t, itl, ttft, meeting in _judge(points):
             won = itl <= t and all(ttft < f[2] for f in meeting)
             wins[(e.candidate.name, t)] = wins.get((e.candidate.name, t), 0) + won

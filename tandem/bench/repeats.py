@@ -5,7 +5,7 @@ On a shared machine a p99 moves by tens of percent between identical runs (a 2-c
 configuration N times, round by round (each configuration once, then each again), so a slow spell
 of the machine falls on all of them alike, and reports medians; `tandem tune` judges its leaders
 the same way. ``merge`` keeps, for the plots and per-class tables, the run whose TTFT p99 is the
-median one, and each run's figures for the report's *Repeats* section.
+median one, and each run's figures (the report's *Repeats* section, ``compare_report``).
 """
 
 from __future__ import annotations
@@ -53,25 +53,3 @@ def merge(runs: list):
     util = {k: (None if any(p[k] is None for p in per_run) else median([p[k] for p in per_run]))
             for k in ("mfu", "mbu")}
     return dataclasses.replace(middle, summary={**middle.summary, **medians}, runs=per_run, **util)
-
-
-def section(evaluations: list) -> list[str]:
-    """The report's *Repeats* section: each run's headline figures, per configuration."""
-    repeated = [e for e in evaluations if e.runs]
-    if not repeated:
-        return []
-    n = max(len(e.runs) for e in repeated)
-
-    def cells(e, key: str, digits: int) -> str:
-        return " / ".join("n/a" if r[key] is None or (isinstance(r[key], float) and math.isnan(r[key]))
-                          else f"{r[key]:,.{digits}f}" for r in e.runs)
-
-    md = ["## Repeats", "",
-          f"Each configuration ran {n} times, round by round (every configuration once, then again), so a slow "
-          "spell of the machine falls on all of them alike. The tables above give each figure's median over the "
-          "runs; per-class tables and the plots show the run whose TTFT p99 is the median one. Each run, in order:",
-          "", "| configuration | output tok/s | TTFT p99 (ms) | ITL p99 (ms) |", "|---|---|---|---|"]
-    for e in repeated:
-        md.append(f"| {e.candidate.name} | {cells(e, 'output_throughput', 1)} | {cells(e, 'p99_ttft_ms', 0)} | "
-                  f"{cells(e, 'p99_itl_ms', 0)} |")
-    return md + [""]
