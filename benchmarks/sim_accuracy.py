@@ -8,6 +8,14 @@ report lists a few designed steps of every calibration, which shows how far the 
 moved. With ``--repeats N`` every real configuration runs N times round by round and the measured
 figures are medians (the simulator is deterministic: one run).
 
+Even so the machine moves between a calibration and the runs after it. So a speed check
+(``tandem.bench.speed_check``: three designed steps timed again, about two seconds) runs before
+every real run and once after a scenario's last; a run's ratio is the mean of the checks before
+and after it. The simulator then runs twice: on the profile as calibrated, and on the profile
+rescaled, per configuration, by the mean ratio of that configuration's runs (``sim-corrected/``).
+The report gives both errors: the first is what a user with an old profile sees, the second how
+well the simulator models the steps at the machine's speed of the moment.
+
     .venv/bin/python benchmarks/sim_accuracy.py --out docs/results/sim-accuracy
     .venv/bin/python benchmarks/sim_accuracy.py --out docs/results/sim-accuracy --profile my-profile.json \\
         --scenarios equal,long-prompts
@@ -37,8 +45,9 @@ from tandem.bench.config import CalibrateConfig
 from tandem.bench.evaluate import InProcessEvaluator
 from tandem.bench.scenarios import SCENARIOS
 from tandem.bench.simulate import SimEvaluator
+from tandem.bench.speed_check import PROBE, measure, recorded, rescaled, speed_check
 from tandem.cli_args import add_engine_args, engine_config_from_args
-from tandem.sim.profile import describe, load_profile
+from tandem.sim.profile import Profile, describe, load_profile, profile_from_dict
 
 METRICS = (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT p50"), ("p99_ttft_ms", "TTFT p99"),
            ("median_itl_ms", "ITL p50"), ("p99_itl_ms", "ITL p99"))
@@ -50,38 +59,116 @@ def _by_load(result: dict, scenario: str) -> dict[str, list]:
     return {scenario: result["evaluations"]}
 
 
-REFERENCE = {"prefill 256": [[0, 256, 1]], "decode x16 at 128": [[128, 1, 16]], "decode x1 at 1024": [[1024, 1, 1]]}
-"""Designed steps whose calibrated times show how the machine's speed moved between calibrations."""
-
-
 def reference_steps(scenario: str, profile: dict) -> dict:
-    timed = {json.dumps(t["spans"]): t["seconds"] for t in profile["fit"]["timed"]}
-    return {"before": scenario, "date": profile["date"],
-            **{k: 1000 * timed[json.dumps(v)] for k, v in REFERENCE.items() if json.dumps(v) in timed}}
+    """The speed check's steps as a calibration timed them: how the machine moved between calibrations."""
+    return {"before": scenario, "date": profile["date"], **{k: 1000 * v for k, v in recorded(profile).items()}}
 
 
-def compare_rows(scenario: str, real: dict, sim: dict) -> list[dict]:
-    """One row per (load, configuration): each metric measured, simulated and the relative error."""
+def _key(overrides: dict) -> str:
+    return json.dumps(overrides, sort_keys=True, default=str)
+
+
+class SpeedChecked:
+    """The real evaluator, with a speed check before every run it starts; ``close`` checks once more
+    after the last run. ``ratios`` gives each configuration's mean ratio to a profile."""
+
+    def __init__(self, inner: InProcessEvaluator, block_size: int) -> None:
+        self.inner = inner
+        self.block_size = block_size
+        self.checks: list[tuple[str | None, dict[str, float]]] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def engine(self, overrides: dict):
+        self.checks.append((_key(overrides), measure(self.inner.loaded, self.block_size)))
+        return self.inner.engine(overrides)
+
+    def close(self) -> None:
+        self.checks.append((None, measure(self.inner.loaded, self.block_size)))
+
+    def ratios(self, profile: dict) -> dict[str, list[dict[str, float]]]:
+        """Per configuration, each run's ratios (overall, prompt step, decode steps): the means of the
+        checks just before and just after it."""
+        out: dict[str, list[dict[str, float]]] = {}
+        for (key, before), (_, after) in zip(self.checks, self.checks[1:]):
+            if key is not None:
+                a, b = speed_check(profile, before), speed_check(profile, after)
+                out.setdefault(key, []).append({k: (a[k] + b[k]) / 2 for k in RATIOS})
+        return out
+
+
+class RescaledSim(SimEvaluator):
+    """The simulator with each configuration priced by its own rescaled profile."""
+
+    def __init__(self, profiles: dict[str, Profile], base) -> None:
+        super().__init__(next(iter(profiles.values())), base)
+        self.profiles = profiles
+
+    def profile_for(self, overrides: dict) -> Profile:
+        return self.profiles[_key(overrides)]
+
+
+RATIOS = ("ratio", "prefill_ratio", "decode_ratio")
+
+
+def rescaled_profiles(profile: dict, ratios: dict[str, list[dict[str, float]]]) -> dict[str, Profile]:
+    """Per configuration, the profile rescaled by the mean ratios of its runs."""
+    return {key: profile_from_dict(rescaled(profile, {k: statistics.mean(r[k] for r in runs) for k in RATIOS}),
+                                   "rescaled profile")
+            for key, runs in ratios.items()}
+
+
+def compare_rows(scenario: str, real: dict, sim: dict, corrected: dict | None = None,
+                 ratios: dict[str, list[dict[str, float]]] | None = None) -> list[dict]:
+    """One row per (load, configuration): each metric measured, simulated and the relative error;
+    with ``corrected`` (the simulator on speed-checked profiles) that simulation and its error too."""
     from tandem.bench.results import row
+
+    def err(p, m):
+        return (p - m) / m if m else None
 
     rows = []
     sims = _by_load(sim, scenario)
+    fixed = _by_load(corrected, scenario) if corrected else {}
     for load, evaluations in _by_load(real, scenario).items():
         simulated = {e.candidate.name: e for e in sims[load]}
+        again = {e.candidate.name: e for e in fixed.get(load, [])}
         for ev in evaluations:
             r, s = row(ev), row(simulated[ev.candidate.name])
+            c = row(again[ev.candidate.name]) if ev.candidate.name in again else None
             out = {"scenario": scenario, "load": load, "config": ev.candidate.name}
+            if ratios and _key(ev.candidate.overrides) in ratios:
+                out["speed_ratios"] = ratios[_key(ev.candidate.overrides)]
             for metric, _ in METRICS:
                 m, p = r[metric], s[metric]
-                out[metric] = {"measured": m, "simulated": p, "error": (p - m) / m if m else None}
+                out[metric] = {"measured": m, "simulated": p, "error": err(p, m)}
+                if c is not None:
+                    out[metric].update(corrected=c[metric], corrected_error=err(c[metric], m))
             rows.append(out)
     return rows
 
 
+def _errors(rows: list[dict], key: str, metric: str | None = None) -> list[tuple[float, dict, str]]:
+    return [(abs(r[m][key]), r, m) for r in rows for m, _ in METRICS
+            if (metric is None or m == metric) and r[m].get(key) is not None]
+
+
+def _summary(rows: list[dict], key: str, what: str) -> list[str]:
+    errors = _errors(rows, key)
+    if not errors:
+        return []
+    e, r, m = max(errors, key=lambda t: t[0])
+    md = [f"**{what}: median |error| over every metric and configuration {100 * statistics.median(x for x, _, _ in errors):.1f}%** "
+          f"(target <= 10%); worst {100 * e:.0f}% ({dict(METRICS)[m]}, {r['load']}, {r['config']})."]
+    for metric, name in METRICS:
+        es = [x for x, _, _ in _errors(rows, key, metric)]
+        if es:
+            md.append(f"- {name}: median |error| {100 * statistics.median(es):.1f}%, worst {100 * max(es):.0f}%")
+    return md + [""]
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
-    errors = [(abs(r[m]["error"]), r, m) for r in rows for m, _ in METRICS if r[m]["error"] is not None]
-    med = statistics.median(e for e, _, _ in errors) if errors else float("nan")
-    worst = max(errors, key=lambda t: t[0]) if errors else None
     cal = meta.get("calibrations") or []
     profile = (f"one per scenario, each calibrated just before it ran (`profile-SCENARIO.json`); the last: "
                f"{meta['profile']}" if len(cal) > 1 else meta["profile"])
@@ -89,29 +176,45 @@ def markdown(rows: list[dict], meta: dict) -> str:
           f"    {meta['command']}", ""]
     if meta.get("repeats", 1) > 1:
         md += [f"Measured figures are medians of {meta['repeats']} runs of each configuration, round by round.", ""]
-    md.append(f"**Median |error| over every metric and configuration: {100 * med:.1f}%** (target <= 10%).")
-    if worst:
-        e, r, m = worst
-        md.append(f"Worst: {100 * e:.0f}% ({dict(METRICS)[m]}, {r['load']}, {r['config']}).")
-    for m, name in METRICS:
-        es = [abs(r[m]["error"]) for r in rows if r[m]["error"] is not None]
-        if es:
-            md.append(f"- {name}: median |error| {100 * statistics.median(es):.1f}%, worst {100 * max(es):.0f}%")
+    md += _summary(rows, "error", "As calibrated")
+    corrected = any(r[m].get("corrected_error") is not None for r in rows for m, _ in METRICS)
+    if corrected:
+        md += _summary(rows, "corrected_error", "Speed-corrected")
+        md += ["*As calibrated*: the simulator on the profile calibrated before the scenario. *Speed-corrected*: on "
+               "that profile rescaled, per configuration, by the speed checks beside its real runs (three designed "
+               "steps timed before and after each run, against the calibration's times; `tandem.bench.speed_check`). "
+               "The first is what an older profile predicts; the second, how well the simulator models the steps at "
+               "the machine's speed of the moment.", ""]
+    runs = [x for r in rows for x in r.get("speed_ratios", [])]
+    if runs:
+        def span(k):
+            v = [x[k] for x in runs]
+            return f"{min(v):.2f}x to {max(v):.2f}x (median {statistics.median(v):.2f}x)"
+        md += [f"Speed checks over {len(runs)} real runs: the machine ran at {span('ratio')} its calibrated step "
+               f"times; the prompt step at {span('prefill_ratio')}, the decode steps at {span('decode_ratio')}.", ""]
     if len(cal) > 1:
-        md += ["", "Designed steps of those calibrations (ms): how much the machine's own speed moved during the run.",
+        md += ["Designed steps of those calibrations (ms): how much the machine's own speed moved during the run.",
                "",
-               "| before | at | " + " | ".join(REFERENCE) + " |", "|---" * (len(REFERENCE) + 2) + "|"]
+               "| before | at | " + " | ".join(PROBE) + " |", "|---" * (len(PROBE) + 2) + "|"]
         for c in cal:
             md.append(f"| {c['before']} | {c['date']} | " + " | ".join(f"{c.get(k, float('nan')):,.1f}"
-                                                                       for k in REFERENCE) + " |")
-    head = " | ".join(f"{name} real / sim (err)" for _, name in METRICS)
-    md += ["", f"| load | configuration | {head} |", "|---" * (len(METRICS) + 2) + "|"]
+                                                                       for k in PROBE) + " |")
+        md.append("")
+    what = "real / sim (err)" + (" / corrected (err)" if corrected else "")
+    head = " | ".join(f"{name} {what}" for _, name in METRICS)
+    md += [f"| load | configuration | {head} |", "|---" * (len(METRICS) + 2) + "|"]
+
+    def pct(e):
+        return f"{100 * e:+.0f}%" if e is not None else "n/a"
+
     for r in rows:
         cells = []
         for m, _ in METRICS:
             c = r[m]
-            err = f"{100 * c['error']:+.0f}%" if c["error"] is not None else "n/a"
-            cells.append(f"{c['measured']:,.1f} / {c['simulated']:,.1f} ({err})")
+            cell = f"{c['measured']:,.1f} / {c['simulated']:,.1f} ({pct(c['error'])})"
+            if "corrected" in c:
+                cell += f" / {c['corrected']:,.1f} ({pct(c['corrected_error'])})"
+            cells.append(cell)
         md.append(f"| {r['load']} | {r['config']} | " + " | ".join(cells) + " |")
     return "\n".join(md) + "\n"
 
@@ -143,10 +246,16 @@ def main(argv: list[str] | None = None) -> int:
             calibrations.append(reference_steps(name, json.loads(Path(path).read_text())))
         profile = load_profile(path)
         sim_ev = SimEvaluator(profile, base.scheduler)
-        real = run_compare(name, None, [], base, str(out / "real" / name), None, args.seed, args.max_duration, real_ev,
+        checked = SpeedChecked(real_ev, base.cache.block_size)
+        real = run_compare(name, None, [], base, str(out / "real" / name), None, args.seed, args.max_duration, checked,
                            repeats=args.repeats)
+        checked.close()
         sim = run_compare(name, None, [], base, str(out / "sim" / name), None, args.seed, args.max_duration, sim_ev)
-        rows += compare_rows(name, real, sim)
+        ratios = checked.ratios(json.loads(Path(path).read_text()))
+        corrected = run_compare(name, None, [], base, str(out / "sim-corrected" / name), None, args.seed,
+                                args.max_duration, RescaledSim(rescaled_profiles(json.loads(Path(path).read_text()),
+                                                                                 ratios), base.scheduler))
+        rows += compare_rows(name, real, sim, corrected, ratios)
     meta = {"profile": describe(profile), "date": time.strftime("%Y-%m-%d %H:%M"), "repeats": args.repeats,
             "calibrations": calibrations,
             "command": "benchmarks/sim_accuracy.py " + " ".join(argv if argv is not None else sys.argv[1:]),

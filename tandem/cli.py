@@ -231,6 +231,12 @@ def _run_calibrate(args: argparse.Namespace) -> int:
 
     cfg = dataclass_from_args(CalibrateConfig, args)
     profile = run_calibrate(cfg, engine_config_from_args(args))
+    if cfg.rescale:
+        check = profile["speed_check"]
+        steps = ", ".join(f"{k} {v['calibrated']:.1f} -> {v['now']:.1f} ms" for k, v in check["steps_ms"].items())
+        print(f"wrote {cfg.output}: {cfg.rescale} scaled x{check['ratio']:.3f} to this machine's speed now "
+              f"(prompt terms x{check['prefill_ratio']:.3f}, the rest x{check['decode_ratio']:.3f}; {steps})")
+        return 0
     fit = profile["fit"]
     print(f"wrote {cfg.output}: forward {profile['forward']}, overhead {profile['overhead']}; fit over "
           f"{fit['steps']} steps, median |error| {100 * fit['median_abs_error']:.1f}%, "

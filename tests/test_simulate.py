@@ -10,6 +10,7 @@ import random
 import pytest
 
 from tandem.bench.config import CalibrateConfig, SimulateConfig
+from tandem.bench.evaluate import Candidate
 from tandem.bench.simulate import SimEvaluator, run_simulate
 from tandem.config import EngineConfig, SchedulerConfig
 from tandem.core import policies
@@ -216,6 +217,32 @@ def test_calibrate_writes_a_valid_profile(tiny, tmp_path):
         run_calibrate(CalibrateConfig(repeats=0), EngineConfig())
 
 
+def test_calibrate_rescale_times_three_steps_and_scales_the_profile(tiny, tmp_path):
+    from tandem.bench.calibrate import run_calibrate
+    from tandem.bench.speed_check import PROBE
+
+    first, again = tmp_path / "p.json", tmp_path / "now.json"
+    config = EngineConfig.from_kwargs(model=str(tiny), num_kv_blocks=128, threads=1)
+    old = run_calibrate(CalibrateConfig(output=str(first), repeats=2, max_chunk=256, max_batch=16,
+                                        overhead_requests=4), config)
+    new = run_calibrate(CalibrateConfig(output=str(again), rescale=str(first)), config)
+    check = new["speed_check"]
+    # the tiny model's context is 512 tokens: the decode at context 1024 is left out
+    assert set(check["steps_ms"]) == set(PROBE) - {"decode x1 at 1024"} and check["ratio"] > 0
+    for part in ("forward", "overhead"):
+        for k, v in old[part].items():
+            step = check["prefill_ratio"] if k in ("per_token", "per_pair") else check["decode_ratio"]
+            assert new[part][k] == pytest.approx(v * step), (part, k)
+    assert new["fit"] == old["fit"] and load_profile(str(again)).info["speed_check"] == check
+    wrong = json.loads(first.read_text())
+    wrong["model"] = "another-model"
+    first.write_text(json.dumps(wrong))
+    with pytest.raises(ValueError, match="rescale: the profile's model is 'another-model'"):
+        run_calibrate(CalibrateConfig(output=str(again), rescale=str(first)), config)
+    with pytest.raises(ValueError, match="rescale: cannot read"):
+        run_calibrate(CalibrateConfig(output=str(again), rescale=str(tmp_path / "missing.json")), config)
+
+
 def test_tune_simulate_confirms_the_leaders_on_another_engine(tmp_path):
     from tandem.bench.config import TuneConfig
     from tandem.bench.tune_run import run_tune
@@ -262,7 +289,58 @@ def test_accuracy_rows_pair_configurations_by_load(tmp_path):
     assert [r["config"] for r in rows] == ["chunked chunk=512"]
     assert rows[0]["output_throughput"]["error"] == pytest.approx(1.0, rel=0.02)
     assert rows[0]["p99_itl_ms"]["error"] == pytest.approx(-0.5, rel=0.02)
-    assert "Median |error|" in acc.markdown(rows, {"profile": "p", "command": "c"})
+    assert "As calibrated: median |error|" in acc.markdown(rows, {"profile": "p", "command": "c"})
+
+
+def _accuracy_module():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "sim_accuracy", Path(__file__).parents[1] / "benchmarks" / "sim_accuracy.py")
+    acc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(acc)
+    return acc
+
+
+def test_accuracy_speed_checks_rescale_each_configuration_by_its_own_runs(tmp_path):
+    from tandem.bench.compare import run_compare
+    from tandem.bench.speed_check import PROBE, recorded
+
+    acc = _accuracy_module()
+    configs = ["policy=chunked,max_num_batched_tokens=512", "policy=chunked,max_num_batched_tokens=128"]
+    from tandem.bench.scenarios import scenario_requests
+
+    seqs = scenario_requests("equal", None, SimTokenizer(), 0)[4]  # compare adds the scenario's max_num_seqs
+    keys = [acc._key({"max_num_seqs": seqs, **Candidate.parse(c).overrides}) for c in configs]
+    then = recorded(MEASURED)
+
+    def at(r):
+        return {k: r * v for k, v in then.items()}
+
+    # round by round: chunk 512 ran between checks at 2x and 2x, chunk 128 between 2x and 1x, ...
+    checked = acc.SpeedChecked.__new__(acc.SpeedChecked)
+    checked.checks = [(keys[0], at(2)), (keys[1], at(2)), (keys[0], at(1)), (keys[1], at(1)), (None, at(1))]
+    ratios = checked.ratios(MEASURED)
+    assert [r["ratio"] for r in ratios[keys[0]]] == pytest.approx([2.0, 1.0])
+    assert [r["decode_ratio"] for r in ratios[keys[1]]] == pytest.approx([1.5, 1.0])
+    assert set(then) == set(PROBE)
+    # "real": a simulator whose steps cost 1.5x for chunk 512 and 1.25x for chunk 128 (those means)
+    slow = acc.rescaled_profiles(MEASURED, ratios)
+    real = run_compare("equal", None, configs, EngineConfig(), str(tmp_path / "real"),
+                       evaluator=acc.RescaledSim(slow, None))
+    sim = run_compare("equal", None, configs, EngineConfig(), str(tmp_path / "sim"),
+                      evaluator=SimEvaluator(profile_from_dict(MEASURED)))
+    fixed = run_compare("equal", None, configs, EngineConfig(), str(tmp_path / "fixed"),
+                        evaluator=acc.RescaledSim(acc.rescaled_profiles(MEASURED, ratios), None))
+    rows = acc.compare_rows("equal", real, sim, fixed, ratios)
+    by = {r["config"]: r for r in rows}
+    assert by["chunked chunk=512"]["output_throughput"]["error"] == pytest.approx(0.5, rel=0.02)
+    assert by["chunked chunk=128"]["output_throughput"]["error"] == pytest.approx(0.25, rel=0.02)
+    for r in rows:
+        assert r["p99_ttft_ms"]["corrected_error"] == pytest.approx(0.0, abs=1e-9)
+    md = acc.markdown(rows, {"profile": "p", "command": "c"})
+    assert "Speed-corrected: median |error|" in md and "1.00x to 2.00x" in md
 
 
 def test_profiles_and_the_simulate_command_load_without_torch():

@@ -27,7 +27,7 @@ from tandem.config import EngineConfig
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.step import KVLayout, ScheduledChunk, SchedulerOutput
 from tandem.kernels.cpu_features import cpu_model
-from tandem.sim.design import Spans, design, fit_shapes, relative_errors
+from tandem.sim.design import Spans, compact, design, fit_shapes, relative_errors
 from tandem.sim.profile import SCHEMA, profile_from_dict
 
 
@@ -82,9 +82,12 @@ def run_calibrate(cfg, config: EngineConfig, loaded=None) -> dict:
 
     cfg.validate()
     config.validate()
+    old = _read_profile(cfg.rescale) if cfg.rescale else None
     if loaded is None:
         set_threads(config.model.threads)
         loaded = load_model(config.model)
+    if old is not None:
+        return _rescale(cfg, old, loaded)
     per_block = kv_bytes_per_block(loaded.model, config.cache.block_size, loaded.dtype)
     num_blocks = config.cache.num_kv_blocks or int(config.cache.kv_cache_memory_gib * (1 << 30) // per_block)
     layout = KVLayout(num_blocks, config.cache.block_size)
@@ -102,7 +105,7 @@ def run_calibrate(cfg, config: EngineConfig, loaded=None) -> dict:
     overhead = fit_shapes([(s, x) for s, x in extra if x > 0])
     errors = [abs(e) for e in relative_errors(forward, timed)]
     dtype = str(loaded.dtype).removeprefix("torch.")
-    machine = cpu_model() if loaded.device.type == "cpu" else _gpu_name()
+    machine = _machine(loaded)
     profile = {
         "schema": SCHEMA, "kind": "measured",
         "name": cfg.name or f"{Path(loaded.name).stem} {dtype} {loaded.quantization} on {machine}",
@@ -115,7 +118,7 @@ def run_calibrate(cfg, config: EngineConfig, loaded=None) -> dict:
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "fit": {"steps": len(timed), "median_abs_error": statistics.median(errors), "max_abs_error": max(errors),
                 "overhead_steps": len(extra), "repeats": cfg.repeats,
-                "timed": [{"spans": _compact(s), "seconds": x} for s, x in timed]},
+                "timed": [{"spans": compact(s), "seconds": x} for s, x in timed]},
     }
     if cfg.device_out:
         _write(Path(cfg.device_out), device_description(loaded, dtype, machine, overhead.base))
@@ -124,15 +127,30 @@ def run_calibrate(cfg, config: EngineConfig, loaded=None) -> dict:
     return profile
 
 
-def _compact(spans: Spans) -> list[list[int]]:
-    """[start, tokens, count] runs of equal chunks, so a 64-sequence decode is one entry."""
-    out: list[list[int]] = []
-    for s, n in spans:
-        if out and out[-1][:2] == [s, n]:
-            out[-1][2] += 1
-        else:
-            out.append([s, n, 1])
-    return out
+def _read_profile(path: str) -> dict:
+    try:
+        d = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"rescale: cannot read {path} ({exc.strerror})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"rescale: {path} is not valid JSON ({exc})") from None
+    profile_from_dict(d, f"rescale: profile {path}")
+    return d
+
+
+def _rescale(cfg, old: dict, loaded) -> dict:
+    """The profile ``old``, timed again on a few of its designed steps and scaled to the speed now."""
+    from tandem.bench.speed_check import check_matches, measure, rescaled, speed_check
+
+    check_matches(old, loaded, _machine(loaded))
+    profile = rescaled(old, speed_check(old, measure(loaded, old.get("block_size", 16))))
+    profile_from_dict(profile, "calibrate")
+    _write(Path(cfg.output), profile)
+    return profile
+
+
+def _machine(loaded) -> str:
+    return cpu_model() if loaded.device.type == "cpu" else _gpu_name()
 
 
 def device_description(loaded, dtype: str, machine: str, step_overhead: float) -> dict:

@@ -263,6 +263,10 @@ class CalibrateConfig:
         "requests of the short engine run that measures the time per step beyond the forward pass"))
     device_out: str | None = field(default=None, metadata=_help(
         "also write a roofline device description of this machine from its measured peaks to this file"))
+    rescale: str | None = field(default=None, metadata=_help(
+        "a measured profile of this machine and model: instead of calibrating, time three of its designed "
+        "steps again (seconds) and write it with every coefficient scaled by how much slower or faster they "
+        "run now"))
 
     def validate(self) -> None:
         for name in ("repeats", "max_chunk", "max_batch", "overhead_requests"):

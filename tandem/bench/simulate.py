@@ -31,10 +31,14 @@ class SimEvaluator:
         self.tokenizer = SimTokenizer(profile.vocab_size)
         self.meta = {"simulated": True, "profile": describe(profile), "profile_info": profile.info}
 
+    def profile_for(self, overrides: dict) -> Profile:
+        """The profile a configuration's steps are priced by (one for all of them here)."""
+        return self.profile
+
     def engine(self, overrides: dict):
         """One simulated engine; with a replica key (``replicas``, ``routing``, ...), that many behind
         a router, the other replica settings `tandem serve`'s defaults."""
-        p = self.profile
+        p = self.profile_for(overrides)
         own, routing = split_routing(overrides)
         config = dataclasses.replace(self.base, **own)
 

@@ -50,6 +50,18 @@ def design(kv_positions: int, max_len: int, max_batch: int = 64, max_chunk: int 
     return shapes
 
 
+def compact(spans: Spans) -> list[list[int]]:
+    """[start, tokens, count] runs of equal chunks, so a 64-sequence decode is one entry (how a
+    profile records its timed steps)."""
+    out: list[list[int]] = []
+    for s, n in spans:
+        if out and out[-1][:2] == [s, n]:
+            out[-1][2] += 1
+        else:
+            out.append([s, n, 1])
+    return out
+
+
 def fit_shapes(timed: Sequence[tuple[Spans, float]], prior: StepCost | None = None,
                prior_weight: float = 0.01) -> StepCost:
     """The step-time model fitted to (step, seconds) pairs, barely pulled toward ``prior``."""

@@ -55,6 +55,9 @@ MEASURED = mapping({
     "quantization": (text(), True),
     "date": (text(), True),
     "fit": (mapping({}, extra=True), False),
+    "speed_check": (mapping({"ratio": (number(0, strict=True), True),
+                             "prefill_ratio": (number(0, strict=True), False),
+                             "decode_ratio": (number(0, strict=True), False)}, extra=True), False),
     "peaks": (mapping({"flops_per_s": (number(0, strict=True), True),
                        "bytes_per_s": (number(0, strict=True), True)}), False),
 })
@@ -146,6 +149,8 @@ def _measured(d: dict) -> Profile:
     prior = StepCost(*(a + b for a, b in zip(forward.vector(), overhead.vector())))
     info = {"profile": d["name"], "kind": "measured", "machine": d["machine"], "model": d["model"],
             "dtype": d["dtype"], "quantization": d["quantization"], "date": d["date"]}
+    if "speed_check" in d:
+        info["speed_check"] = d["speed_check"]
     return Profile(d["name"], "measured", forward, prior, d["kv_num_blocks"], d.get("block_size", 16),
                    d["max_model_len"], overhead, d.get("vocab_size", 1000), info, d.get("add_bos", True))
 
@@ -174,7 +179,9 @@ def describe(profile: Profile) -> str:
     """One line for the report: which profile, of what kind, measured or derived where."""
     i = profile.info
     if profile.kind == "measured":
+        check = i.get("speed_check")
+        rescaled = f", rescaled x{check['ratio']:.3f} by a speed check {check.get('date', '')}" if check else ""
         return (f"measured profile {profile.name!r}: {i['model']} ({i['dtype']}, quantization {i['quantization']}) "
-                f"on {i['machine']}, calibrated {i['date']}")
+                f"on {i['machine']}, calibrated {i['date']}{rescaled}")
     return (f"roofline profile {profile.name!r}: {i['model']} in {i['dtype']} on {i['device']} "
             f"({i['kv_tokens']:,} KV tokens)")
