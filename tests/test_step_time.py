@@ -127,6 +127,7 @@ def test_coefficients_and_errors_reach_metrics_and_trace(tmp_path):
     text = metrics.render(0, 0, 0.0).decode()
     assert 'tandem:step_time_model_coefficient{model_name="m",term="per_token"} 0.0004' in text
     assert f'tandem:step_time_prediction_error_count{{model_name="m"}} {len(engine.step_stats)}.0' in text
+    assert 'tandem:itl_target_margin{model_name="m"} 1.0' in text  # no target: no margin
     steps = [e for e in trace.events if e.get("ph") == "X" and e["pid"] == 1]
     assert steps and all(e["args"]["predicted_ms"] == pytest.approx(e["dur"] / 1e3, abs=0.01) for e in steps)
 

@@ -12,7 +12,7 @@ from tandem.config import SchedulerConfig
 from tandem.core.budget import Planned
 from tandem.core.request import Request, SamplingParams
 from tandem.core.step_time import StepCost, StepTimeModel
-from tandem.core.target_budget import OverrunLedger, PrefillShare, itl_target
+from tandem.core.target_budget import MARGIN_MIN_STEPS, NoiseMargin, OverrunLedger, PrefillShare, itl_target
 from tandem.sim import StepCost as SimStepCost
 from tandem.sim import sim_engine
 
@@ -21,9 +21,9 @@ BLOCK = 16
 T_MS = 40.0
 
 
-def run_mixed(config: SchedulerConfig, seed: int = 0):
+def run_mixed(config: SchedulerConfig, seed: int = 0, cost=COST):
     """Eight long streams, then long prompts (1-3k tokens) arriving while they decode."""
-    engine = sim_engine(config, COST, num_kv_blocks=4096, block_size=BLOCK)
+    engine = sim_engine(config, cost, num_kv_blocks=4096, block_size=BLOCK, prior=COST)
     rng = random.Random(seed)
     arrivals = [(0.0, rng.randint(50, 200), 300) for _ in range(8)]
     arrivals += [(0.2 + 0.25 * i, rng.randint(1000, 3000), 20) for i in range(12)]
@@ -134,6 +134,64 @@ def test_overrun_share_finishes_prompts_sooner_within_its_allowance():
                     first.setdefault(c.request_id, st.start + st.duration)
         return sum(first.values())
     assert first_tokens(spent[1]) < first_tokens(strict[1])
+
+
+def test_noise_margin_worked_example():
+    m = NoiseMargin(0.005)
+    assert m.factor == 1.0 and MARGIN_MIN_STEPS == 1  # nothing measured yet
+    m.record(8, True, 0.040, 0.040 * 1.25)
+    assert m.factor == pytest.approx(0.8)  # one step measured: its ratio
+    m = NoiseMargin(0.005)
+    for i in range(100):  # decode-only steps: gaps, no ratio
+        m.record(8, False, 0.020, 0.020)
+    for i in range(32):  # steps with prompt work, measured 1.00x .. 1.31x their prediction
+        m.record(8, True, 0.040, 0.040 * (1 + i / 100))
+    # 256 of the 1,056 gaps were in those steps: they may run over on 0.005 * 1056 / 256 = 2.06% of
+    # them, the (1 - 0.0206) quantile of 32 ratios is the largest: 1.31
+    assert m.factor == pytest.approx(1 / 1.31)
+    for i in range(200):  # more decode-only gaps
+        m.record(8, False, 0.020, 0.020)
+    assert m.factor == pytest.approx(1 / 1.31)  # recomputed only when a step with prompt work is measured
+    m.record(8, True, 0.040, 0.040)
+    # now 264 of 2,664 gaps: 5.05% of those steps may run over; of the 33 ratios sorted, index
+    # int(0.9495 * 33) = 31 is 1.30
+    assert (m.gaps, m.mixed_gaps) == (2664, 264) and m.factor == pytest.approx(1 / 1.30)
+    fast = NoiseMargin(0.005)
+    for i in range(40):  # steps faster than predicted do not raise the target
+        fast.record(8, True, 0.040, 0.030)
+    assert fast.factor == 1.0
+    off = NoiseMargin(0.0)
+    for i in range(40):
+        off.record(8, True, 0.040, 0.080)
+    assert off.factor == 1.0
+
+
+class NoisyCost:
+    """The known cost, with steps that carry prompt work running 0-40% longer (seeded)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+
+    def seconds(self, out) -> float:
+        t = COST.seconds(out)
+        return t * (1 + 0.4 * self.rng.random()) if any(not c.is_decode for c in out.chunks) else t
+
+
+def test_noise_margin_keeps_measured_gaps_within_the_target_on_a_noisy_machine():
+    base = SchedulerConfig(max_num_batched_tokens=2048, target_itl_ms=T_MS)
+    runs = {}
+    for share in (0.0, 0.005):
+        engine = run_mixed(dataclasses.replace(base, itl_margin_share=share), cost=NoisyCost())
+        gaps = all_itls(engine.step_stats)
+        runs[share] = (sum(g > T_MS / 1e3 + 1e-9 for g in gaps) / len(gaps), p99(gaps), engine.scheduler.policy)
+    blind, margined = runs[0.0], runs[0.005]
+    assert blind[0] > 0.05 and blind[1] > T_MS / 1e3  # sized to T, the noisy steps run over it
+    assert margined[0] <= 0.01 and margined[1] <= T_MS / 1e3
+    assert 0.7 < margined[2].margin.factor < 0.9  # about 1 / 1.4 at most, less where fewer may run over
+    # every step is still predicted within the target
+    for s in engine.step_stats:
+        if s.num_decode_tokens:
+            assert s.predicted_seconds <= T_MS / 1e3 + 1e-12 or s.num_prefill_tokens <= BLOCK
 
 
 def test_full_budget_when_nothing_decodes():
@@ -247,6 +305,7 @@ def test_ttft_target_improves_long_prompts_in_the_sim():
     ("min_target_itl_ms", -5.0), ("step_model_window", 0), ("step_model_refit_every", 0),
     ("itl_target_factor", 0.5), ("itl_target_factor", -1.0), ("itl_target_factor", float("nan")),
     ("itl_overrun_share", -0.01), ("itl_overrun_share", 0.5), ("itl_overrun_share", float("nan")),
+    ("itl_margin_share", -0.01), ("itl_margin_share", 0.5), ("itl_margin_share", "0.1"),
 ])
 def test_config_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field}:"):

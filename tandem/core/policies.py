@@ -23,7 +23,7 @@ from tandem.core.queues import RequestQueues
 from tandem.core.registry import make
 from tandem.core.request import Request, RequestStatus
 from tandem.core.step_time import StepCost, StepTimeModel
-from tandem.core.target_budget import OverrunLedger, PrefillShare
+from tandem.core.target_budget import NoiseMargin, OverrunLedger, PrefillShare
 
 
 class PolicySettings(Protocol):
@@ -35,6 +35,7 @@ class PolicySettings(Protocol):
     target_ttft_ms: float | None
     itl_target_factor: float
     itl_overrun_share: float
+    itl_margin_share: float
     min_target_itl_ms: float
 
 
@@ -98,6 +99,9 @@ class ChunkedPolicy:
         self.step_model = StepTimeModel(StepCost())
         self.clock: Callable[[], float] = time.monotonic
         self.ledger = OverrunLedger(settings.itl_overrun_share)
+        self.margin = NoiseMargin(settings.itl_margin_share)
+        self._last: tuple[float, list[Request], bool, float] | None = None
+        """The last step that carried decodes under a target: (its start, its decodes, with prompt work, predicted)."""
         self._planned: tuple[object, int, float] | None = None
         """The last step sized to an ITL target: (the model's last observation then, its decodes, T)."""
 
@@ -120,8 +124,11 @@ class ChunkedPolicy:
                 break
             if request.status is RequestStatus.RUNNING and not request.is_prefilling:
                 budget.schedule_running(request, 1)
-        share = PrefillShare(self.step_model, budget.planned, self.settings, budget.allocator.block_size,
-                             self.clock())
+        now = self.clock()
+        self._settle_margin(now)
+        decodes = [p.request for p in budget.planned]
+        share = PrefillShare(self.step_model, budget.planned, self.settings, budget.allocator.block_size, now,
+                             self.margin.factor)
         self._spend_overrun(queues, share)
         # 2. Prompts already part-way through their prefill.
         for request in ranked:
@@ -147,6 +154,18 @@ class ChunkedPolicy:
                 break
             share.take(start, n)
             long_active += is_long
+        if share.target is not None and self.margin.slack:
+            self._last = (now, decodes, share.granted > 0, share.predicted())
+
+    def _settle_margin(self, now: float) -> None:
+        """Record the last step under a target with its cycle, if its streams are still running (after
+        an idle spell the cycle is no gap anybody saw)."""
+        if self._last is None:
+            return
+        start, decodes, mixed, predicted = self._last
+        self._last = None
+        if any(r.status is RequestStatus.RUNNING for r in decodes):
+            self.margin.record(len(decodes), mixed, predicted, now - start)
 
     def _spend_overrun(self, queues: RequestQueues, share: PrefillShare) -> None:
         """Settle the previous ITL-sized step against its measured time, then let this one take the

@@ -9,6 +9,11 @@ The rule, for one step, after the running decodes are planned:
   within T. Whatever the prediction says, the step gets one KV block (``block_size`` tokens) of
   prefill, so prompts never starve. With no decode running, or no target, the share is the
   whole token budget (``max_num_batched_tokens``).
+* **Noise margin.** With ``itl_margin_share`` s > 0 (0.005 by default), steps with prompt work
+  are sized to T times a margin, so that measured gaps, not only predictions, stay within T at
+  p99: if a share f of the recent gaps were in such steps, the margin is 1 over the (1 - s/f)
+  quantile of their measured cycle / predicted time (``NoiseMargin``), at most 1; with few of
+  them measured that quantile is their largest ratio.
 * **Overrun allowance.** With ``itl_overrun_share`` q > 0, the policy keeps a ledger of the
   recent inter-token gaps (each decode of a measured step is one gap; over the target when the
   step took longer than its T). While the gaps over T, plus this step's decodes, stay within q of
@@ -47,6 +52,7 @@ class TargetSettings(Protocol):
     target_ttft_ms: float | None
     itl_target_factor: float
     itl_overrun_share: float
+    itl_margin_share: float
     min_target_itl_ms: float
 
 
@@ -105,12 +111,66 @@ class OverrunLedger:
         return self.share > 0 and decodes > 0 and self.over + decodes <= self.share * (self.gaps + decodes)
 
 
+MARGIN_WINDOW = 256
+"""Steps with prompt work whose measured/predicted ratio the noise margin remembers."""
+MARGIN_MIN_STEPS = 1
+"""Below this many, the margin is 1 (the steps are sized to T itself). With few steps measured the
+quantile is their largest ratio: the margin starts cautious and relaxes as steps accumulate."""
+
+
+class NoiseMargin:
+    """How far below T to size steps so that the measured gaps, not the predicted steps, stay
+    within the target at p99.
+
+    A step sized to T is predicted at T; measured, it runs longer about half the time (noise, and
+    the time between steps that the streams' gaps include and a step's own time does not). Each
+    step that carried decodes is recorded with its cycle (its start to the next step's start, the
+    gap its streams saw) and its prediction. If a share f of the recent gaps were in steps with
+    prompt work (the steps sized to the target) and a share ``slack`` of all gaps may run over T,
+    those steps may run over on a share slack / f of them; the margin is 1 over the matching
+    quantile of their measured/predicted ratio, at most 1."""
+
+    def __init__(self, slack: float, window: int = MARGIN_WINDOW, gap_window: int = OVERRUN_WINDOW) -> None:
+        self.slack = slack
+        self.ratios: deque[float] = deque(maxlen=window)
+        self.steps: deque[tuple[int, bool]] = deque()  # (gaps, with prompt work) per step
+        self.gap_window = gap_window
+        self.gaps = 0
+        self.mixed_gaps = 0
+        self.factor = 1.0
+
+    def record(self, decodes: int, mixed: bool, predicted: float, cycle: float) -> None:
+        if decodes <= 0 or predicted <= 0 or cycle <= 0:
+            return
+        self.steps.append((decodes, mixed))
+        self.gaps += decodes
+        self.mixed_gaps += decodes if mixed else 0
+        while self.gaps - self.steps[0][0] >= self.gap_window:
+            gaps, was_mixed = self.steps.popleft()
+            self.gaps -= gaps
+            self.mixed_gaps -= gaps if was_mixed else 0
+        if mixed:
+            self.ratios.append(cycle / predicted)
+            self._update()
+
+    def _update(self) -> None:
+        if self.slack <= 0 or len(self.ratios) < MARGIN_MIN_STEPS or not self.mixed_gaps:
+            self.factor = 1.0
+            return
+        allowed = min(0.5, self.slack * self.gaps / self.mixed_gaps)  # share of those steps that may run over
+        ordered = sorted(self.ratios)
+        ratio = ordered[min(len(ordered) - 1, int((1.0 - allowed) * len(ordered)))]
+        self.factor = min(1.0, 1.0 / ratio)
+
+
 class PrefillShare:
     """One step's prefill allowance: ``size`` a chunk, then ``take`` it once it is scheduled."""
 
     def __init__(self, model: StepTimeModel, planned: Sequence[Planned], settings: TargetSettings,
-                 block_size: int, now: float) -> None:
+                 block_size: int, now: float, margin: float = 1.0) -> None:
         self.model = model
+        self.margin = margin
+        """The share of T that steps with prompt work are sized to (``NoiseMargin.factor``)."""
         self.now = now
         self.ttft_default_ms = settings.target_ttft_ms
         self.num_decodes = len(planned)
@@ -148,13 +208,14 @@ class PrefillShare:
         self.granted += n
 
     def _fits(self, start: int, want: int) -> int:
-        """The largest chunk at ``start`` that keeps the predicted step within the target."""
-        if self.model.predict(add(self.x, chunk_features(start, 1))) > self.target:
+        """The largest chunk at ``start`` that keeps the predicted step within the target (less the margin)."""
+        limit = self.target * self.margin
+        if self.model.predict(add(self.x, chunk_features(start, 1))) > limit:
             return 0  # the common case once the step is full: no search
         lo, hi = 1, want
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.model.predict(add(self.x, chunk_features(start, mid))) <= self.target:
+            if self.model.predict(add(self.x, chunk_features(start, mid))) <= limit:
                 lo = mid
             else:
                 hi = mid - 1

@@ -95,6 +95,10 @@ class ServerMetrics:
             "tandem:step_time_model_coefficient",
             "The online step-time model: seconds per unit of each term (base, per_token, per_seq, "
             "per_context = per KV position read, per_pair = per attention pair).", [*m, "term"], registry=r)
+        self.itl_margin = Gauge(
+            "tandem:itl_target_margin", "With an ITL target: the share of the target that steps with prompt work "
+            "are sized to, learnt from how much longer than predicted such steps ran (1: no margin).", m, registry=r)
+        self.itl_margin.labels(model_name).set(1.0)
         self.step_error = hist("step_time_prediction_error",
                                "|predicted - measured| / measured step time, per step.", _REL_ERROR)
         self.engine_info = Info("tandem:engine", "Which paths run: CPU, kernel variant, dtype, weight format, "
@@ -149,6 +153,9 @@ class ServerMetrics:
         model = getattr(engine, "step_model", None)
         if model is not None:
             self.set_step_model(model)
+        margin = getattr(engine.scheduler.policy, "margin", None)
+        if margin is not None:
+            self.itl_margin.labels(lm).set(margin.factor)
         flops, nbytes = self.cost.step(s.spans(), s.num_sampled)
         with self._lock:
             end = s.start + s.duration
