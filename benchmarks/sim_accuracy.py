@@ -10,9 +10,10 @@ figures are medians (the simulator is deterministic: one run).
 
 Even so the machine moves between a calibration and the runs after it. So a speed check
 (``tandem.bench.speed_check``: three designed steps timed again, about two seconds) runs before
-every real run and once after a scenario's last; a run's ratio is the mean of the checks before
-and after it. The simulator then runs twice: on the profile as calibrated, and on the profile
-rescaled, per configuration, by the mean ratio of that configuration's runs (``sim-corrected/``).
+every real run and once after a scenario's last, against the same check run right after the
+calibration; a run's ratios are the geometric means of the checks before and after it. The
+simulator then runs twice: on the profile as calibrated, and with each real run simulated on the
+profile rescaled by that run's ratios, the same medians taken (``sim-corrected/``).
 The report gives both errors: the first is what a user with an old profile sees, the second how
 well the simulator models the steps at the machine's speed of the moment.
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -68,6 +70,9 @@ def _key(overrides: dict) -> str:
     return json.dumps(overrides, sort_keys=True, default=str)
 
 
+RATIOS = ("ratio", "prefill_ratio", "decode_ratio")
+
+
 class SpeedChecked:
     """The real evaluator, with a speed check before every run it starts; ``close`` checks once more
     after the last run. ``ratios`` gives each configuration's mean ratio to a profile."""
@@ -88,34 +93,35 @@ class SpeedChecked:
         self.checks.append((None, measure(self.inner.loaded, self.block_size)))
 
     def ratios(self, profile: dict) -> dict[str, list[dict[str, float]]]:
-        """Per configuration, each run's ratios (overall, prompt step, decode steps): the means of the
-        checks just before and just after it."""
+        """Per configuration, each run's ratios (overall, prompt step, decode steps): the geometric
+        means of the checks just before and just after it."""
         out: dict[str, list[dict[str, float]]] = {}
         for (key, before), (_, after) in zip(self.checks, self.checks[1:]):
             if key is not None:
                 a, b = speed_check(profile, before), speed_check(profile, after)
-                out.setdefault(key, []).append({k: (a[k] + b[k]) / 2 for k in RATIOS})
+                out.setdefault(key, []).append({k: math.sqrt(a[k] * b[k]) for k in RATIOS})
         return out
 
 
 class RescaledSim(SimEvaluator):
-    """The simulator with each configuration priced by its own rescaled profile."""
+    """The simulator with each run of each configuration priced by its own rescaled profile (run i
+    of a configuration by the i-th of its profiles, as compare runs them round by round)."""
 
-    def __init__(self, profiles: dict[str, Profile], base) -> None:
-        super().__init__(next(iter(profiles.values())), base)
+    def __init__(self, profiles: dict[str, list[Profile]], base) -> None:
+        super().__init__(next(iter(profiles.values()))[0], base)
         self.profiles = profiles
+        self.runs: dict[str, int] = {}
 
     def profile_for(self, overrides: dict) -> Profile:
-        return self.profiles[_key(overrides)]
+        key = _key(overrides)
+        i = self.runs.get(key, 0)
+        self.runs[key] = i + 1
+        return self.profiles[key][i % len(self.profiles[key])]
 
 
-RATIOS = ("ratio", "prefill_ratio", "decode_ratio")
-
-
-def rescaled_profiles(profile: dict, ratios: dict[str, list[dict[str, float]]]) -> dict[str, Profile]:
-    """Per configuration, the profile rescaled by the mean ratios of its runs."""
-    return {key: profile_from_dict(rescaled(profile, {k: statistics.mean(r[k] for r in runs) for k in RATIOS}),
-                                   "rescaled profile")
+def rescaled_profiles(profile: dict, ratios: dict[str, list[dict[str, float]]]) -> dict[str, list[Profile]]:
+    """Per configuration, the profile rescaled by each of its runs' ratios."""
+    return {key: [profile_from_dict(rescaled(profile, r), "rescaled profile") for r in runs]
             for key, runs in ratios.items()}
 
 
@@ -180,9 +186,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
     corrected = any(r[m].get("corrected_error") is not None for r in rows for m, _ in METRICS)
     if corrected:
         md += _summary(rows, "corrected_error", "Speed-corrected")
-        md += ["*As calibrated*: the simulator on the profile calibrated before the scenario. *Speed-corrected*: on "
-               "that profile rescaled, per configuration, by the speed checks beside its real runs (three designed "
-               "steps timed before and after each run, against the calibration's times; `tandem.bench.speed_check`). "
+        md += ["*As calibrated*: the simulator on the profile calibrated before the scenario. *Speed-corrected*: each real "
+               "run simulated on that profile rescaled by the speed checks before and after it (three designed steps "
+               "timed again, against the same check right after the calibration; `tandem.bench.speed_check`), and the "
+               "same medians taken. "
                "The first is what an older profile predicts; the second, how well the simulator models the steps at "
                "the machine's speed of the moment.", ""]
     runs = [x for r in rows for x in r.get("speed_ratios", [])]
@@ -254,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         ratios = checked.ratios(json.loads(Path(path).read_text()))
         corrected = run_compare(name, None, [], base, str(out / "sim-corrected" / name), None, args.seed,
                                 args.max_duration, RescaledSim(rescaled_profiles(json.loads(Path(path).read_text()),
-                                                                                 ratios), base.scheduler))
+                                                                                 ratios), base.scheduler),
+                                repeats=args.repeats)
         rows += compare_rows(name, real, sim, corrected, ratios)
     meta = {"profile": describe(profile), "date": time.strftime("%Y-%m-%d %H:%M"), "repeats": args.repeats,
             "calibrations": calibrations,

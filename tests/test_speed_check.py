@@ -28,6 +28,14 @@ def test_recorded_takes_the_calibrations_times_and_prices_the_rest_by_the_fit():
     assert compact(PROBE["decode x16 at 128"]) == [[128, 1, 16]]
 
 
+def test_recorded_prefers_the_check_run_right_after_the_calibration():
+    d = _profile(speed_probe_ms={"prefill 256": 300.0},
+                 fit={"timed": [{"spans": compact(PROBE["prefill 256"]), "seconds": 0.5}]})
+    assert recorded(d)["prefill 256"] == pytest.approx(0.3)
+    with pytest.raises(SchemaError, match=r"speed_probe_ms\.prefill 256: must be a number > 0"):
+        profile_from_dict(_profile(speed_probe_ms={"prefill 256": 0}), "profile p.json")
+
+
 def test_ratio_is_the_geometric_mean_over_the_steps_both_timed():
     then = {"a": 1.0, "b": 2.0, "c": 1.0}
     assert ratio({"a": 2.0, "b": 1.0}, then) == pytest.approx(1.0)  # twice as slow and twice as fast

@@ -23,6 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
+from tandem.bench.speed_check import check_matches, measure, reference, rescaled, speed_check
 from tandem.config import EngineConfig
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.step import KVLayout, ScheduledChunk, SchedulerOutput
@@ -99,6 +100,8 @@ def run_calibrate(cfg, config: EngineConfig, loaded=None) -> dict:
         del runner  # its KV cache; the overhead run builds its own
         bar.add_task("calibrate: engine overhead", total=None)
         extra = overhead_steps(config, loaded, cfg.overhead_requests, config.model.seed)
+        bar.add_task("calibrate: speed check reference", total=None)
+        probe = reference(loaded, layout.block_size)
     forward = fit_shapes(timed)
     # what is left of a cycle after the forward pass is small and noisy; a cycle shorter than its
     # forward pass (timer noise) says nothing about it
@@ -116,6 +119,7 @@ def run_calibrate(cfg, config: EngineConfig, loaded=None) -> dict:
         "machine": machine, "device_type": loaded.device.type,
         "model": loaded.name, "dtype": dtype, "quantization": loaded.quantization,
         "date": time.strftime("%Y-%m-%d %H:%M"),
+        "speed_probe_ms": probe,
         "fit": {"steps": len(timed), "median_abs_error": statistics.median(errors), "max_abs_error": max(errors),
                 "overhead_steps": len(extra), "repeats": cfg.repeats,
                 "timed": [{"spans": compact(s), "seconds": x} for s, x in timed]},
@@ -140,8 +144,6 @@ def _read_profile(path: str) -> dict:
 
 def _rescale(cfg, old: dict, loaded) -> dict:
     """The profile ``old``, timed again on a few of its designed steps and scaled to the speed now."""
-    from tandem.bench.speed_check import check_matches, measure, rescaled, speed_check
-
     check_matches(old, loaded, _machine(loaded))
     profile = rescaled(old, speed_check(old, measure(loaded, old.get("block_size", 16))))
     profile_from_dict(profile, "calibrate")

@@ -4,8 +4,9 @@ A shared or virtual machine's speed moves: on a 2-core VM the same 256-token pro
 timed 161 ms and 231 ms a quarter of an hour apart. A profile calibrated at one of those moments
 prices every simulated step at that speed. A speed check times a few of the profile's designed
 steps again (a prompt chunk, a decode batch, one long-context decode: seconds, where a
-calibration takes minutes), compares them with the times the profile recorded for the same
-steps, and gives their ratio (the geometric mean over the steps; above 1: slower now), and
+calibration takes minutes), compares them with the times the same check gave right after the
+profile's calibration (``speed_probe_ms``; the calibration's own times of those steps, taken
+amid forty other shapes, differ from a check's: the prompt step by about 14% in one run), and gives their ratio (the geometric mean over the steps; above 1: slower now), and
 two of its parts: the prompt step's ratio and the decode steps'. The two drift apart on a shared
 VM (one check here: the prompt step 17% slower than at calibration, the decode steps 10-25%
 faster), so a rescaled profile multiplies the compute terms a prompt step is made of (per token,
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from typing import Any
 
@@ -41,12 +43,22 @@ PROBE_REPEATS = 3
 
 
 def recorded(profile: dict) -> dict[str, float]:
-    """Seconds the profile's calibration measured for each probe step; a step it did not time (a
-    profile written by hand, or by an older design) is priced by its fitted forward pass."""
+    """Seconds of each probe step at calibration: the speed check the calibration ran right after
+    its designed steps (``speed_probe_ms``: the same procedure as every later check, so the two
+    compare like with like), else the designed step's own time, else (a profile written by hand)
+    its fitted forward pass."""
+    probe = profile.get("speed_probe_ms") or {}
     timed = {json.dumps(t["spans"]): t["seconds"] for t in (profile.get("fit") or {}).get("timed", [])}
     forward = StepCost(**profile["forward"])
-    return {name: timed.get(json.dumps(compact(spans))) or forward.predict(features(spans))
-            for name, spans in PROBE.items()}
+    return {name: (probe[name] / 1000 if name in probe else None) or timed.get(json.dumps(compact(spans)))
+            or forward.predict(features(spans)) for name, spans in PROBE.items()}
+
+
+def reference(loaded, block_size: int, checks: int = 3) -> dict[str, float]:
+    """Milliseconds of each probe step, the median of ``checks`` speed checks: what a calibration
+    records as ``speed_probe_ms``."""
+    runs = [measure(loaded, block_size) for _ in range(checks)]
+    return {k: 1000 * statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
 def check_matches(profile: dict, loaded, machine: str) -> None:

@@ -25,7 +25,7 @@ from tandem.models.spec import ModelSpec
 from tandem.sim import Cost
 from tandem.sim.design import design, fit_cost
 from tandem.sim.roofline import DEVICE_FIELDS, DTYPE_BYTES, Device, RooflineCost, kv_blocks
-from tandem.sim.schema import SchemaError, boolean, integer, mapping, name_or, number, text, validate
+from tandem.sim.schema import SchemaError, boolean, integer, mapping, name_or, number, number_map, text, validate
 
 SCHEMA = "tandem-sim-profile/1"
 SHIPPED = Path(__file__).parent / "profiles"
@@ -55,6 +55,7 @@ MEASURED = mapping({
     "quantization": (text(), True),
     "date": (text(), True),
     "fit": (mapping({}, extra=True), False),
+    "speed_probe_ms": (number_map(), False),
     "speed_check": (mapping({"ratio": (number(0, strict=True), True),
                              "prefill_ratio": (number(0, strict=True), False),
                              "decode_ratio": (number(0, strict=True), False)}, extra=True), False),
