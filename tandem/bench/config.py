@@ -140,8 +140,8 @@ class CompareConfig(LaunchOptions):
     workload: str | None = field(default=None, metadata=_help("a workload YAML/JSON file instead of a scenario"))
     configs: tuple[str, ...] = field(default=(), metadata=_help(
         "configurations to compare, each KEY=VALUE[,KEY=VALUE] over the scheduler options, optionally "
-        "'name:' first; default: the scenario's own set (power-user: fcfs and vtc; itl-target: a 150 ms "
-        "target and fixed budgets; long-prompts: the defaults and a long-prefill cap), else static, "
+        "'name:' first; default: the scenario's own set (power-user: fcfs and vtc; itl-target: 50 and 150 ms "
+        "targets and fixed budgets; long-prompts: the defaults and a long-prefill cap), else static, "
         "prefill-first, chunked at 128 and 512 tokens", nargs="+"))
     goodput: tuple[str, ...] = field(default=(), metadata=_help(
         "SLOs for goodput, e.g. ttft:2000 tpot:300 (milliseconds)", nargs="+"))
