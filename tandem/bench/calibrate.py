@@ -24,36 +24,13 @@ import time
 from pathlib import Path
 
 from tandem.bench.speed_check import check_matches, measure, reference, rescaled, speed_check
+from tandem.bench.step_timing import time_steps
 from tandem.config import EngineConfig
 from tandem.core.sampling_params import SamplingParams
-from tandem.core.step import KVLayout, ScheduledChunk, SchedulerOutput
+from tandem.core.step import KVLayout
 from tandem.kernels.cpu_features import cpu_model
 from tandem.sim.design import Spans, compact, design, fit_shapes, relative_errors
 from tandem.sim.profile import SCHEMA, profile_from_dict
-
-
-def time_steps(runner, layout: KVLayout, shapes: list[Spans], repeats: int, progress=None) -> list[tuple[Spans, float]]:
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    timed = []
-    for i, spans in enumerate(shapes):
-        # each sequence gets its own stretch of the cache, as separate requests would
-        chunks, offset = [], 0
-        for j, (start, n) in enumerate(spans):
-            blocks = layout.blocks_for(start + n)
-            chunks.append(ScheduledChunk(f"calibrate-{i}-{j}", start, (1,) * n, tuple(range(offset, offset + blocks)),
-                                         params, True, n == 1, start + n))
-            offset += blocks
-        out = SchedulerOutput(step_id=0, chunks=tuple(chunks))
-        runner.execute(out)
-        seconds = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            runner.execute(out)
-            seconds.append(time.perf_counter() - t)
-        timed.append((spans, statistics.median(seconds)))
-        if progress:
-            progress(i + 1)
-    return timed
 
 
 def overhead_steps(config: EngineConfig, loaded, num_requests: int, seed: int) -> list[tuple[Spans, float]]:

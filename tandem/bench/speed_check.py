@@ -26,6 +26,7 @@ import statistics
 import time
 from typing import Any
 
+from tandem.bench.step_timing import time_steps
 from tandem.core.step_time import TERMS, StepCost, features
 from tandem.sim.design import Spans, compact
 
@@ -76,7 +77,6 @@ def check_matches(profile: dict, loaded, machine: str) -> None:
 def measure(loaded, block_size: int, seed: int = 0) -> dict[str, float]:
     """Seconds of each probe step on ``loaded`` now (median of ``PROBE_REPEATS`` after one untimed
     run); a step longer than the model's context is left out."""
-    from tandem.bench.calibrate import time_steps
     from tandem.core.step import KVLayout
     from tandem.runner.runner import ModelRunner
 

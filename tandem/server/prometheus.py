@@ -153,7 +153,7 @@ class ServerMetrics:
         model = getattr(engine, "step_model", None)
         if model is not None:
             self.set_step_model(model)
-        margin = getattr(engine.scheduler.policy, "margin", None)
+        margin = getattr(getattr(getattr(engine, "scheduler", None), "policy", None), "margin", None)
         if margin is not None:
             self.itl_margin.labels(lm).set(margin.factor)
         flops, nbytes = self.cost.step(s.spans(), s.num_sampled)
