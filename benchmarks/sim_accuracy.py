@@ -62,7 +62,7 @@ def _by_load(result: dict, scenario: str) -> dict[str, list]:
 
 
 def reference_steps(scenario: str, profile: dict) -> dict:
-    """The speed check's steps as a calibration timed them: how the machine moved between calibrations."""
+    """The speed check's steps at a calibration (its reference check): how the machine moved between calibrations."""
     return {"before": scenario, "date": profile["date"], **{k: 1000 * v for k, v in recorded(profile).items()}}
 
 
@@ -200,7 +200,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         md += [f"Speed checks over {len(runs)} real runs: the machine ran at {span('ratio')} its calibrated step "
                f"times; the prompt step at {span('prefill_ratio')}, the decode steps at {span('decode_ratio')}.", ""]
     if len(cal) > 1:
-        md += ["Designed steps of those calibrations (ms): how much the machine's own speed moved during the run.",
+        md += ["The speed check's steps at each calibration (ms; the calibration's own times of those steps for a "
+               "profile without a reference check): how much the machine's own speed moved during the run.",
                "",
                "| before | at | " + " | ".join(PROBE) + " |", "|---" * (len(PROBE) + 2) + "|"]
         for c in cal:
