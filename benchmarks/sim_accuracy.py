@@ -259,10 +259,10 @@ def main(argv: list[str] | None = None) -> int:
                            repeats=args.repeats)
         checked.close()
         sim = run_compare(name, None, [], base, str(out / "sim" / name), None, args.seed, args.max_duration, sim_ev)
-        ratios = checked.ratios(json.loads(Path(path).read_text()))
+        calibrated = json.loads(Path(path).read_text())
+        ratios = checked.ratios(calibrated)
         corrected = run_compare(name, None, [], base, str(out / "sim-corrected" / name), None, args.seed,
-                                args.max_duration, RescaledSim(rescaled_profiles(json.loads(Path(path).read_text()),
-                                                                                 ratios), base.scheduler),
+                                args.max_duration, RescaledSim(rescaled_profiles(calibrated, ratios), base.scheduler),
                                 repeats=args.repeats)
         rows += compare_rows(name, real, sim, corrected, ratios)
     meta = {"profile": describe(profile), "date": time.strftime("%Y-%m-%d %H:%M"), "repeats": args.repeats,

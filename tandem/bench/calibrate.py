@@ -30,7 +30,7 @@ from tandem.core.sampling_params import SamplingParams
 from tandem.core.step import KVLayout
 from tandem.kernels.cpu_features import cpu_model
 from tandem.sim.design import Spans, compact, design, fit_shapes, relative_errors
-from tandem.sim.profile import SCHEMA, profile_from_dict
+from tandem.sim.profile import SCHEMA, profile_from_dict, read_json
 
 
 def overhead_steps(config: EngineConfig, loaded, num_requests: int, seed: int) -> list[tuple[Spans, float]]:
@@ -109,12 +109,7 @@ def run_calibrate(cfg, config: EngineConfig, loaded=None) -> dict:
 
 
 def _read_profile(path: str) -> dict:
-    try:
-        d = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise ValueError(f"rescale: cannot read {path} ({exc.strerror})") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"rescale: {path} is not valid JSON ({exc})") from None
+    d = read_json(Path(path), "rescale")
     profile_from_dict(d, f"rescale: profile {path}")
     return d
 

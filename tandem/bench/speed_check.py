@@ -4,10 +4,11 @@ A shared or virtual machine's speed moves: on a 2-core VM the same 256-token pro
 timed 161 ms and 231 ms a quarter of an hour apart. A profile calibrated at one of those moments
 prices every simulated step at that speed. A speed check times a few of the profile's designed
 steps again (a prompt chunk, a decode batch, one long-context decode: seconds, where a
-calibration takes minutes), compares them with the times the same check gave right after the
-profile's calibration (``speed_probe_ms``; the calibration's own times of those steps, taken
-amid forty other shapes, differ from a check's: the prompt step by about 14% in one run), and gives their ratio (the geometric mean over the steps; above 1: slower now), and
-two of its parts: the prompt step's ratio and the decode steps'. The two drift apart on a shared
+calibration takes minutes) and compares them with the times the same check gave right after
+the profile's calibration (``speed_probe_ms``; the calibration's own times of those steps, taken
+amid forty other shapes, differ from a check's: the prompt step by about 14% in one run). It
+gives their ratio (the geometric mean over the steps; above 1: slower now) and two of its parts:
+the prompt step's ratio and the decode steps'. The two drift apart on a shared
 VM (one check here: the prompt step 17% slower than at calibration, the decode steps 10-25%
 faster), so a rescaled profile multiplies the compute terms a prompt step is made of (per token,
 per attention pair) by the first, and the rest (the step's base, per sequence, per KV position
@@ -27,6 +28,7 @@ import time
 from typing import Any
 
 from tandem.bench.step_timing import time_steps
+from tandem.core.step import KVLayout
 from tandem.core.step_time import TERMS, StepCost, features
 from tandem.sim.design import Spans, compact
 
@@ -48,11 +50,11 @@ def recorded(profile: dict) -> dict[str, float]:
     its designed steps (``speed_probe_ms``: the same procedure as every later check, so the two
     compare like with like), else the designed step's own time, else (a profile written by hand)
     its fitted forward pass."""
-    probe = profile.get("speed_probe_ms") or {}
+    probe = {k: ms / 1000 for k, ms in (profile.get("speed_probe_ms") or {}).items()}
     timed = {json.dumps(t["spans"]): t["seconds"] for t in (profile.get("fit") or {}).get("timed", [])}
     forward = StepCost(**profile["forward"])
-    return {name: (probe[name] / 1000 if name in probe else None) or timed.get(json.dumps(compact(spans)))
-            or forward.predict(features(spans)) for name, spans in PROBE.items()}
+    return {name: probe.get(name) or timed.get(json.dumps(compact(spans))) or forward.predict(features(spans))
+            for name, spans in PROBE.items()}
 
 
 def reference(loaded, block_size: int, checks: int = 3) -> dict[str, float]:
@@ -77,7 +79,6 @@ def check_matches(profile: dict, loaded, machine: str) -> None:
 def measure(loaded, block_size: int, seed: int = 0) -> dict[str, float]:
     """Seconds of each probe step on ``loaded`` now (median of ``PROBE_REPEATS`` after one untimed
     run); a step longer than the model's context is left out."""
-    from tandem.core.step import KVLayout
     from tandem.runner.runner import ModelRunner
 
     probe = {k: v for k, v in PROBE.items() if all(s + n <= loaded.max_model_len for s, n in v)}

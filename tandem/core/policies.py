@@ -16,7 +16,7 @@ by ``max_num_seqs`` and the KV cache) in one step, as one padded ``generate()`` 
 from __future__ import annotations
 
 import time
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 from tandem.core.budget import StepBudget
 from tandem.core.queues import RequestQueues
@@ -100,10 +100,8 @@ class ChunkedPolicy:
         self.clock: Callable[[], float] = time.monotonic
         self.ledger = OverrunLedger(settings.itl_overrun_share)
         self.margin = NoiseMargin(settings.itl_margin_share)
-        self._last: tuple[float, list[Request], bool, float] | None = None
-        """The last step that carried decodes under a target: (its start, its decodes, with prompt work, predicted)."""
-        self._planned: tuple[object, int, float] | None = None
-        """The last step sized to an ITL target: (the model's last observation then, its decodes, T)."""
+        self._last: _Sized | None = None
+        """The last step that carried decodes under an ITL target, settled when the next is planned."""
 
     def use_step_model(self, model: StepTimeModel, clock: Callable[[], float]) -> None:
         self.step_model = model
@@ -125,10 +123,10 @@ class ChunkedPolicy:
             if request.status is RequestStatus.RUNNING and not request.is_prefilling:
                 budget.schedule_running(request, 1)
         now = self.clock()
-        self._settle_margin(now)
-        decodes = [p.request for p in budget.planned]
+        self._settle(now)
         share = PrefillShare(self.step_model, budget.planned, self.settings, budget.allocator.block_size, now,
                              self.margin.factor)
+        decodes = [p.request for p in budget.planned] if share.target is not None else []
         self._spend_overrun(queues, share)
         # 2. Prompts already part-way through their prefill.
         for request in ranked:
@@ -154,32 +152,44 @@ class ChunkedPolicy:
                 break
             share.take(start, n)
             long_active += is_long
-        if share.target is not None and self.margin.slack:
-            self._last = (now, decodes, share.granted > 0, share.predicted())
+        if decodes and (self.margin.slack or self.ledger.share):
+            self._last = _Sized(now, decodes, share.target, self.step_model.last, share.granted > 0,
+                                share.predicted())
 
-    def _settle_margin(self, now: float) -> None:
-        """Record the last step under a target with its cycle, if its streams are still running (after
-        an idle spell the cycle is no gap anybody saw)."""
-        if self._last is None:
+    def _settle(self, now: float) -> None:
+        """Record the last step under a target: in the noise margin with its cycle, if its streams
+        are still running (after an idle spell the cycle is no gap anybody saw); in the overrun
+        ledger with its measured time, once the engine has measured it."""
+        last, self._last = self._last, None
+        if last is None:
             return
-        start, decodes, mixed, predicted = self._last
-        self._last = None
-        if any(r.status is RequestStatus.RUNNING for r in decodes):
-            self.margin.record(len(decodes), mixed, predicted, now - start)
+        if self.margin.slack and any(r.status is RequestStatus.RUNNING for r in last.decodes):
+            self.margin.record(len(last.decodes), last.mixed, last.predicted, now - last.start)
+        measured = self.step_model.last
+        if self.ledger.share and measured is not None and measured is not last.observed:
+            self.ledger.record(len(last.decodes), measured.seconds, last.target)
 
     def _spend_overrun(self, queues: RequestQueues, share: PrefillShare) -> None:
-        """Settle the previous ITL-sized step against its measured time, then let this one take the
-        whole token budget if the overrun allowance has room and prompts are waiting to be computed."""
-        last = self.step_model.last
-        if self._planned is not None and last is not None and last is not self._planned[0]:
-            self.ledger.record(self._planned[1], last.seconds, self._planned[2])
-        self._planned = None
+        """Let this step take the whole token budget if the overrun allowance has room and prompts are
+        waiting to be computed."""
         if share.target is None or not self.ledger.share:
             return
-        self._planned = (last, share.num_decodes, share.target)
         prompts = queues.waiting or any(r.is_prefilling for r in queues.running)
         if prompts and self.ledger.allows(share.num_decodes):
             share.overrun = True
+
+
+class _Sized(NamedTuple):
+    """A step planned under an ITL target, as its settling needs it."""
+
+    start: float
+    decodes: list[Request]
+    target: float
+    observed: object
+    """The step-time model's last observation when it was planned (the step before it)."""
+    mixed: bool
+    """It carried prompt work."""
+    predicted: float
 
 
 POLICY_REGISTRY: dict[str, Callable[[PolicySettings], Policy]] = {

@@ -83,28 +83,46 @@ OVERRUN_WINDOW = 4096
 """Inter-token gaps the overrun ledger remembers."""
 
 
+class GapWindow:
+    """The last ``window`` inter-token gaps, step by step, and how many of them are marked (ran over
+    the target, or were in a step with prompt work): each decode of a step is one gap."""
+
+    def __init__(self, window: int = OVERRUN_WINDOW) -> None:
+        self.window = window
+        self.steps: deque[tuple[int, int]] = deque()  # (gaps, of them marked) per step
+        self.gaps = 0
+        self.marked = 0
+
+    def add(self, gaps: int, marked: bool) -> None:
+        m = gaps if marked else 0
+        self.steps.append((gaps, m))
+        self.gaps += gaps
+        self.marked += m
+        while self.gaps - self.steps[0][0] >= self.window:
+            old, old_marked = self.steps.popleft()
+            self.gaps -= old
+            self.marked -= old_marked
+
+
 class OverrunLedger:
     """The recent inter-token gaps and how many ran over their step's ITL target."""
 
     def __init__(self, share: float, window: int = OVERRUN_WINDOW) -> None:
         self.share = share
-        self.window = window
-        self.steps: deque[tuple[int, int]] = deque()  # (gaps, of them over the target) per step
-        self.gaps = 0
-        self.over = 0
+        self.recent = GapWindow(window)
+
+    @property
+    def gaps(self) -> int:
+        return self.recent.gaps
+
+    @property
+    def over(self) -> int:
+        return self.recent.marked
 
     def record(self, decodes: int, seconds: float, target: float) -> None:
         """A measured step with ``decodes`` running streams and the ITL target it was sized to."""
-        if decodes <= 0:
-            return
-        over = decodes if seconds > target else 0
-        self.steps.append((decodes, over))
-        self.gaps += decodes
-        self.over += over
-        while self.gaps - self.steps[0][0] >= self.window:
-            gaps, over = self.steps.popleft()
-            self.gaps -= gaps
-            self.over -= over
+        if decodes > 0:
+            self.recent.add(decodes, seconds > target)
 
     def allows(self, decodes: int) -> bool:
         """May a step with ``decodes`` running streams run over the target?"""
@@ -133,22 +151,21 @@ class NoiseMargin:
     def __init__(self, slack: float, window: int = MARGIN_WINDOW, gap_window: int = OVERRUN_WINDOW) -> None:
         self.slack = slack
         self.ratios: deque[float] = deque(maxlen=window)
-        self.steps: deque[tuple[int, bool]] = deque()  # (gaps, with prompt work) per step
-        self.gap_window = gap_window
-        self.gaps = 0
-        self.mixed_gaps = 0
+        self.recent = GapWindow(gap_window)  # marked: gaps in steps with prompt work
         self.factor = 1.0
+
+    @property
+    def gaps(self) -> int:
+        return self.recent.gaps
+
+    @property
+    def mixed_gaps(self) -> int:
+        return self.recent.marked
 
     def record(self, decodes: int, mixed: bool, predicted: float, cycle: float) -> None:
         if decodes <= 0 or predicted <= 0 or cycle <= 0:
             return
-        self.steps.append((decodes, mixed))
-        self.gaps += decodes
-        self.mixed_gaps += decodes if mixed else 0
-        while self.gaps - self.steps[0][0] >= self.gap_window:
-            gaps, was_mixed = self.steps.popleft()
-            self.gaps -= gaps
-            self.mixed_gaps -= gaps if was_mixed else 0
+        self.recent.add(decodes, mixed)
         if mixed:
             self.ratios.append(cycle / predicted)
             self._update()

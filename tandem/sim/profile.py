@@ -89,7 +89,8 @@ class Profile:
     """Whether the model's tokenizer puts a BOS token before each prompt (most do)."""
 
 
-def _read_json(path: Path, what: str) -> Any:
+def read_json(path: Path, what: str) -> Any:
+    """A JSON file's content; ValueError naming ``what`` when it cannot be read or parsed."""
     try:
         return json.loads(path.read_text())
     except OSError as exc:
@@ -106,10 +107,10 @@ def _resolve(ref: str | dict, kind: str, base: Path) -> tuple[dict, str]:
     if not path.is_absolute():
         path = base / path
     if path.is_file():
-        return _read_json(path, kind), str(path)
+        return read_json(path, kind), str(path)
     shipped = SHIPPED / f"{kind}s" / f"{ref}.json"
     if shipped.is_file():
-        return _read_json(shipped, kind), ref
+        return read_json(shipped, kind), ref
     names = sorted(p.stem for p in (SHIPPED / f"{kind}s").glob("*.json"))
     raise ValueError(f"{kind}: {ref!r} is neither a file nor a shipped {kind} ({', '.join(names)})")
 
@@ -124,7 +125,7 @@ def load_profile(ref: str) -> Profile:
     """``ref``: a profile file, or ``DEVICE/MODEL`` (the roofline of a shipped device and model)."""
     path = Path(ref).expanduser()
     if path.is_file():
-        return profile_from_dict(_read_json(path, "profile"), f"profile {path}", path.parent)
+        return profile_from_dict(read_json(path, "profile"), f"profile {path}", path.parent)
     device, sep, model = ref.partition("/")
     if sep and (SHIPPED / "devices" / f"{device}.json").is_file() and (SHIPPED / "models" / f"{model}.json").is_file():
         return profile_from_dict({"schema": SCHEMA, "kind": "roofline", "name": ref, "model": model, "device": device},
