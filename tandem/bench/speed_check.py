@@ -9,8 +9,8 @@ the profile's calibration (``speed_probe_ms``; the calibration's own times of th
 amid forty other shapes, differ from a check's: the prompt step by about 14% in one run). It
 gives their ratio (the geometric mean over the steps; above 1: slower now) and two of its parts:
 the prompt step's ratio and the decode steps'. The two drift apart on a shared
-VM (one check here: the prompt step 17% slower than at calibration, the decode steps 10-25%
-faster), so a rescaled profile multiplies the compute terms a prompt step is made of (per token,
+VM (around one run of the accuracy benchmark the prompt step ran at 1.19x its reference and the
+decode steps at 0.98x, around another at 1.04x and 1.25x), so a rescaled profile multiplies the compute terms a prompt step is made of (per token,
 per attention pair) by the first, and the rest (the step's base, per sequence, per KV position
 read: a decode step) by the second, in the forward pass and the per-step overhead alike. It
 records the check (``speed_check``) beside its calibration.
