@@ -55,7 +55,8 @@ from pathlib import Path
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.model_files import default_model_path, load_model
+from tandem.build import load_model
+from tandem.model_files import default_model_path
 from tandem.config import ModelConfig
 from tandem.kernels.cpu_features import cpu_model
 from tandem.models.auto_mode import ACCURACY_FILE

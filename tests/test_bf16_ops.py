@@ -1,4 +1,4 @@
-"""The bfloat16 kernels (tandem/kernels/bf16_ops.c, decode_attention_bf16.c) against the torch
+"""The bfloat16 kernels (tandem/kernels/bf16_ops.c, decode_attention.c's bf16 form) against the torch
 reference run in bf16 and against float32/float64 math on the same bf16 inputs, then whole bf16
 models with the kernels against the same models on the torch path.
 
@@ -184,6 +184,21 @@ def test_decode_attention_is_float32_inside_and_rounded_once(heads, kv_heads, di
     assert torch.equal(out[0], v_cache[tables[0][0] * BLOCK].repeat_interleave(heads // kv_heads, dim=0))
 
 
+@pytest.mark.parametrize("window", [0, 200])
+def test_decode_attention_over_several_parts_in_bf16(window, kernels):
+    """Contexts of one, two and three parts of 128 keys, merged: within half a unit of the exact
+    result, plus float32's absolute error over a few hundred keys (a sum that nearly cancels has
+    a tiny unit, so a bound in units alone does not hold there, for the unsplit kernel either)."""
+    contexts = [128, 129, 300, 5]
+    q, k_cache, v_cache, tables = _bf16_setup(contexts, 4, 1, 256, seed=17 + window)
+    out = torch.full_like(q, float("nan"))
+    kernels.decode_attention(q, k_cache, v_cache, torch.tensor(tables_padded(tables)), torch.tensor(contexts),
+                             torch.arange(len(contexts)), out, BLOCK, window, 1 / 16)
+    exact = _reference(q, k_cache, v_cache, tables, contexts, 1 / 16, window)
+    err = (out.double() - exact).abs()
+    assert bool((err <= 0.5 * ulp(exact).double() + 1e-5).all())
+
+
 @pytest.mark.parametrize("sliding", [False, True])
 def test_decode_attention_against_sdpa_in_bf16(sliding, kernels):
     """Through ``paged_attention``: the kernel against the gather + SDPA path, both in bf16, in a
@@ -205,13 +220,13 @@ def test_decode_attention_against_sdpa_in_bf16(sliding, kernels):
 
 
 def test_decode_attention_rows_do_not_depend_on_the_batch(kernels):
-    contexts = [3, 17, 9, 40]
+    contexts = [3, 17, 9, 40, 260]
     q, k_cache, v_cache, tables = _bf16_setup(contexts, 8, 2, 64, seed=3)
     padded = torch.tensor(tables_padded(tables))
     together = torch.empty_like(q)
-    kernels.decode_attention(q, k_cache, v_cache, padded, torch.tensor(contexts), torch.arange(4), together, BLOCK,
+    kernels.decode_attention(q, k_cache, v_cache, padded, torch.tensor(contexts), torch.arange(5), together, BLOCK,
                              0, 0.125)
-    for s in range(4):
+    for s in range(5):
         alone = torch.empty_like(q[s : s + 1])
         kernels.decode_attention(q[s : s + 1].contiguous(), k_cache, v_cache, padded[s : s + 1].contiguous(),
                                  torch.tensor(contexts[s : s + 1]), torch.arange(1), alone, BLOCK, 0, 0.125)

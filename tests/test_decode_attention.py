@@ -47,9 +47,10 @@ def _reference(q, k_cache, v_cache, tables, contexts, scale, window):
 
 
 @pytest.mark.parametrize("heads, kv_heads, dim", [(4, 1, 256), (4, 2, 36), (2, 2, 8)])
-@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("window", [0, 5, 200])
 def test_kernel_matches_per_sequence_reference(heads, kv_heads, dim, window, kernels):
-    contexts = [1, 7, 13, 33]
+    # 128, 129 and 300 keys span one, two and three of the kernel's parts of 128 positions
+    contexts = [1, 7, 13, 33, 128, 129, 300]
     q, k_cache, v_cache, tables = _setup(contexts, heads, kv_heads, dim, seed=heads * dim + window)
     scale = 1 / math.sqrt(dim)
     out = torch.full_like(q, float("nan"))
@@ -85,13 +86,13 @@ def test_paged_attention_kernel_equals_gather_path(sliding, kernels):
 
 
 def test_decode_rows_do_not_depend_on_the_batch(kernels):
-    contexts = [3, 17, 9]
+    contexts = [3, 17, 9, 300]  # the last one in three parts, merged the same way alone or not
     q, k_cache, v_cache, tables = _setup(contexts, 4, 1, 64, seed=3)
     padded = torch.tensor(tables_padded(tables))
     together = torch.empty_like(q)
-    kernels.decode_attention(q, k_cache, v_cache, padded, torch.tensor(contexts), torch.arange(3), together, BLOCK, 0,
+    kernels.decode_attention(q, k_cache, v_cache, padded, torch.tensor(contexts), torch.arange(4), together, BLOCK, 0,
                             0.125)
-    for s in range(3):
+    for s in range(4):
         alone = torch.empty_like(q[s : s + 1])
         kernels.decode_attention(q[s : s + 1].contiguous(), k_cache, v_cache, padded[s : s + 1].contiguous(),
                                 torch.tensor(contexts[s : s + 1]), torch.arange(1), alone, BLOCK, 0, 0.125)

@@ -1,14 +1,22 @@
-/* Decode attention straight from the paged KV cache (float32, AVX2 + FMA).
+/* Decode attention straight from the paged KV cache, float32 or bfloat16 (one source, two
+ * entry points: tandem_decode_attention and tandem_decode_attention_bf16).
  *
- * One query per sequence. For each (sequence, KV head), every query head sharing that KV head
- * (grouped-query attention) is scored against each cached key as the key is read, through the
- * sequence's block table: no keys or values are gathered into a padded copy first, and no mask is
- * built. Two passes over the context: scores (then an exact softmax over them), then the values
- * weighted by the probabilities. Sliding-window layers skip the positions outside the window.
- * Every sequence is computed alone, in the same order whatever else is in the batch.
+ * One query per sequence. Each sequence's context (the positions its query attends to; a
+ * sliding-window layer skips those outside the window) is cut into parts of DECODE_PART
+ * positions, counted from its first attended position. One task per (part, KV head): every
+ * query head sharing that KV head (grouped-query attention) is scored against each of the
+ * part's keys as the key is read through the sequence's block table (no gathered copy, no
+ * mask), then the part's values are summed, weighted by exp(score - the part's maximum). A
+ * second pass merges each sequence's parts in position order, rescaled to their common maximum
+ * (the split softmax of flash decoding). Splitting by position keeps both cores busy when one
+ * sequence with a single KV head is all there is (batch 1 on Gemma 3 270M was one task).
  *
- * Cache layout: paged_cache.h.
- * Built and loaded by tandem/kernels/native.py.
+ * A sequence's parts depend only on its own context, and they are merged in one fixed order,
+ * so its result does not depend on the other sequences in the batch (batch invariance).
+ * Everything after the loads is float32: bfloat16 queries are widened once per task, keys and
+ * values as they are read, and the output is rounded to bfloat16 once at the end.
+ *
+ * Cache layout: paged_cache.h. Built and loaded by tandem/kernels/native.py.
  */
 #include <math.h>
 #include <stdint.h>
@@ -18,61 +26,178 @@
 #include "paged_cache.h"
 #include "simd.h"
 
+#define DECODE_PART 128
+
+/* The element type's loads and stores, all through float32. */
+static inline float dot_f32(const float *q, const float *k, long D) {
+    vf acc = vf_zero();
+    long d = 0;
+    for (; d + VF_LANES <= D; d += VF_LANES) acc = vf_fmadd(vf_loadu(q + d), vf_loadu(k + d), acc);
+    float dot = vf_hsum(acc);
+    for (; d < D; d++) dot += q[d] * k[d];
+    return dot;
+}
+
+static inline float dot_bf16(const float *q, const uint16_t *k, long D) {
+    vf acc = vf_zero();
+    long d = 0;
+    for (; d + VF_LANES <= D; d += VF_LANES) acc = vf_fmadd(vf_loadu(q + d), vf_load_bf16(k + d), acc);
+    float dot = vf_hsum(acc);
+    for (; d < D; d++) dot += q[d] * bf16_to_f32(k[d]);
+    return dot;
+}
+
+/* acc[0 .. D) += p * v[0 .. D) */
+static inline void axpy_f32(float *acc, float p, const float *v, long D) {
+    vf w = vf_set1(p);
+    long d = 0;
+    for (; d + VF_LANES <= D; d += VF_LANES) vf_storeu(acc + d, vf_fmadd(w, vf_loadu(v + d), vf_loadu(acc + d)));
+    for (; d < D; d++) acc[d] += p * v[d];
+}
+
+static inline void axpy_bf16(float *acc, float p, const uint16_t *v, long D) {
+    vf w = vf_set1(p);
+    long d = 0;
+    for (; d + VF_LANES <= D; d += VF_LANES) vf_storeu(acc + d, vf_fmadd(w, vf_load_bf16(v + d), vf_loadu(acc + d)));
+    for (; d < D; d++) acc[d] += p * bf16_to_f32(v[d]);
+}
+
+static inline void widen_f32(float *dst, const float *src, long n) { memcpy(dst, src, sizeof(float) * (size_t)n); }
+
+static inline void widen_bf16(float *dst, const uint16_t *src, long n) {
+    for (long i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+}
+
+static inline void store_f32(float *dst, const float *src, long n) { memcpy(dst, src, sizeof(float) * (size_t)n); }
+
+static inline void store_bf16(uint16_t *dst, const float *src, long n) {
+    long i = 0;
+    for (; i + VF_LANES <= n; i += VF_LANES) vf_store_bf16(dst + i, vf_loadu(src + i));
+    for (; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+}
+
+/* p[0 .. n) replaced by exp(p - max p); returns the maximum, the sum in *sum. */
+static inline float exp_shifted(float *p, long n, float *sum) {
+    float m = -INFINITY;
+    for (long i = 0; i < n; i++) m = p[i] > m ? p[i] : m;
+    __m256 vm = _mm256_set1_ps(m), vsum = _mm256_setzero_ps();
+    long i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), vm));
+        _mm256_storeu_ps(p + i, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float s = hsum8(vsum);
+    for (; i < n; i++) {
+        p[i] = expf(p[i] - m);
+        s += p[i];
+    }
+    *sum = s;
+    return m;
+}
+
+/* The sequence that part p belongs to: first[s] <= p < first[s + 1]. */
+static inline long part_sequence(const long *first, long S, long p) {
+    long lo = 0, hi = S - 1;
+    while (lo < hi) {
+        long mid = (lo + hi + 1) / 2;
+        if (first[mid] <= p) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* Merge the parts [p0, p1) of one (sequence, KV head) into out_f [G, D] (float32). Each part's
+ * record holds its unnormalized sums o [G, D], then its maxima m [G] and exp sums l [G]. */
+static void merge_parts(const float *partial, long p0, long p1, long KVH, long g, long G, long D, float *out_f) {
+    long stride = G * (D + 2);
+    if (p1 == p0) { /* no keys: nothing to attend to */
+        memset(out_f, 0, sizeof(float) * (size_t)(G * D));
+        return;
+    }
+    for (long h = 0; h < G; h++) {
+        float M = -INFINITY;
+        for (long p = p0; p < p1; p++) {
+            float m = partial[(p * KVH + g) * stride + G * D + h];
+            M = m > M ? m : M;
+        }
+        float *oh = out_f + h * D, L = 0.0f;
+        memset(oh, 0, sizeof(float) * (size_t)D);
+        for (long p = p0; p < p1; p++) {
+            const float *rec = partial + (p * KVH + g) * stride;
+            float w = expf(rec[G * D + h] - M);
+            L += w * rec[G * D + G + h];
+            axpy_f32(oh, w, rec + h * D, D);
+        }
+        float inv = 1.0f / L;
+        for (long d = 0; d < D; d++) oh[d] *= inv;
+    }
+}
+
 /* q, out: [*, H, D] token rows; rows[s]: the row of sequence s's query (and of its output).
  * tables: [S, max_blocks]; context[s]: keys of sequence s (its query's position + 1).
  * window: keys at positions >= context - window only (0: no window). Returns 0, or -1 if a
  * scratch allocation failed. */
-int tandem_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
-                            long max_blocks, const int64_t *context, const int64_t *rows, float *out, long S, long H,
-                            long KVH, long D, long block_size, long window, float scale) {
-    long G = H / KVH;
-    int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
-    for (long task = 0; task < S * KVH; task++) {
-        long s = task / KVH, g = task % KVH;
-        long n = context[s];
-        long start = window_start(n, window);
-        long len = n - start;
-        const float *qs = q + (rows[s] * H + g * G) * D;
-        float *os = out + (rows[s] * H + g * G) * D;
-        float *prob = malloc(sizeof(float) * (size_t)(G * len + 8));
-        if (prob == NULL) {
-            failed = 1;
-            continue;
-        }
-        const int64_t *table = tables + s * max_blocks;
-
-        /* Scores: prob[h * len + i] = scale * q_h . k_{start + i}. */
-        for (long i = 0; i < len; i++) {
-            const float *k = k_cache + cache_row(table, start + i, block_size, KVH, g) * D;
-            for (long h = 0; h < G; h++) {
-                const float *qh = qs + h * D;
-                __m256 acc = _mm256_setzero_ps();
-                long d = 0;
-                for (; d + 8 <= D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(k + d), acc);
-                float dot = hsum8(acc);
-                for (; d < D; d++) dot += qh[d] * k[d];
-                prob[h * len + i] = dot * scale;
-            }
-        }
-
-        /* Softmax per query head, in place. */
-        for (long h = 0; h < G; h++) softmax_inplace(prob + h * len, len);
-
-        /* Output: o_h = sum_i prob[h, i] * v_{start + i}. */
-        memset(os, 0, sizeof(float) * (size_t)(G * D));
-        for (long i = 0; i < len; i++) {
-            const float *v = v_cache + cache_row(table, start + i, block_size, KVH, g) * D;
-            for (long h = 0; h < G; h++) {
-                float *oh = os + h * D;
-                __m256 w = _mm256_set1_ps(prob[h * len + i]);
-                long d = 0;
-                for (; d + 8 <= D; d += 8)
-                    _mm256_storeu_ps(oh + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(v + d), _mm256_loadu_ps(oh + d)));
-                for (; d < D; d++) oh[d] += prob[h * len + i] * v[d];
-            }
-        }
-        free(prob);
+#define DEFINE_DECODE_ATTENTION(NAME, T, SUFFIX)                                                    \
+    int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *tables, long max_blocks, \
+             const int64_t *context, const int64_t *rows, T *out, long S, long H, long KVH, long D,  \
+             long block_size, long window, float scale) {                                          \
+        long G = H / KVH, stride = G * (D + 2);                                                     \
+        long *first = malloc(sizeof(long) * (size_t)(S + 1));                                       \
+        if (first == NULL) return -1;                                                               \
+        first[0] = 0;                                                                               \
+        for (long s = 0; s < S; s++) {                                                              \
+            long len = context[s] - window_start(context[s], window);                               \
+            first[s + 1] = first[s] + (len + DECODE_PART - 1) / DECODE_PART;                        \
+        }                                                                                           \
+        long P = first[S];                                                                          \
+        float *partial = malloc(sizeof(float) * (size_t)(P * KVH * stride + 1));                    \
+        if (partial == NULL) {                                                                      \
+            free(first);                                                                            \
+            return -1;                                                                              \
+        }                                                                                           \
+        int failed = 0;                                                                             \
+        _Pragma("omp parallel reduction(| : failed)") {                                             \
+            /* this thread's scratch: scores [G, DECODE_PART], widened query heads [G, D] */        \
+            float *prob = malloc(sizeof(float) * (size_t)(G * (DECODE_PART + D) + 8));              \
+            failed |= prob == NULL;                                                                 \
+            _Pragma("omp for schedule(dynamic, 1)")                                                 \
+            for (long task = 0; task < P * KVH; task++) {                                           \
+                if (prob == NULL) continue;                                                         \
+                long p = task / KVH, g = task % KVH;                                                \
+                long s = part_sequence(first, S, p);                                                \
+                long start = window_start(context[s], window) + (p - first[s]) * DECODE_PART;       \
+                long len = context[s] - start < DECODE_PART ? context[s] - start : DECODE_PART;     \
+                const int64_t *table = tables + s * max_blocks;                                     \
+                float *qf = prob + G * DECODE_PART, *rec = partial + task * stride;                 \
+                widen_##SUFFIX(qf, q + (rows[s] * H + g * G) * D, G * D);                           \
+                for (long i = 0; i < len; i++) {                                                    \
+                    const T *k = k_cache + cache_row(table, start + i, block_size, KVH, g) * D;     \
+                    for (long h = 0; h < G; h++) prob[h * DECODE_PART + i] = dot_##SUFFIX(qf + h * D, k, D) * scale; \
+                }                                                                                   \
+                for (long h = 0; h < G; h++)                                                        \
+                    rec[G * D + h] = exp_shifted(prob + h * DECODE_PART, len, rec + G * D + G + h); \
+                memset(rec, 0, sizeof(float) * (size_t)(G * D));                                   \
+                for (long i = 0; i < len; i++) {                                                    \
+                    const T *v = v_cache + cache_row(table, start + i, block_size, KVH, g) * D;     \
+                    for (long h = 0; h < G; h++) axpy_##SUFFIX(rec + h * D, prob[h * DECODE_PART + i], v, D); \
+                }                                                                                   \
+            }                                                                                       \
+            /* the implicit barrier: every part is done */                                          \
+            _Pragma("omp for schedule(static)")                                                     \
+            for (long task = 0; task < S * KVH; task++) {                                           \
+                if (prob == NULL) continue;                                                         \
+                long s = task / KVH, g = task % KVH;                                                \
+                float *of = prob; /* G * D floats: the merged output in float32 */                 \
+                merge_parts(partial, first[s], first[s + 1], KVH, g, G, D, of);                     \
+                store_##SUFFIX(out + (rows[s] * H + g * G) * D, of, G * D);                         \
+            }                                                                                       \
+            free(prob);                                                                             \
+        }                                                                                           \
+        free(partial);                                                                              \
+        free(first);                                                                                \
+        return failed ? -1 : 0;                                                                     \
     }
-    return failed ? -1 : 0;
-}
+
+DEFINE_DECODE_ATTENTION(tandem_decode_attention, float, f32)
+DEFINE_DECODE_ATTENTION(tandem_decode_attention_bf16, uint16_t, bf16)

@@ -34,8 +34,7 @@ from tandem.paths import default_cache_dir
 log = logging.getLogger("tandem.kernels")
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("int8_gemm.c", "int4_gemm.c", "cpu_ops.c", "decode_attention.c", "bf16_ops.c",
-                 "decode_attention_bf16.c", "threads.c")
+    for name in ("int8_gemm.c", "int4_gemm.c", "cpu_ops.c", "decode_attention.c", "bf16_ops.c", "threads.c")
 )
 LIBRARY = "tandem_kernels"
 BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
@@ -197,6 +196,21 @@ _thread = threading.local()
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
+def _align64(nbytes: int) -> int:
+    return (nbytes + 63) & ~63
+
+
+def _w8a8_scratch(values: int) -> int:
+    """The address of this thread's scratch for ``values`` rounded inputs and their scales, kept
+    between calls (grown when needed): a decode step makes ~70 w8a8 calls, and allocating two
+    small tensors for each cost more than the rounding itself."""
+    need = 64 + _align64(values) + values // 8
+    buf = getattr(_thread, "w8a8", None)
+    if buf is None or buf.numel() < need:
+        buf = _thread.w8a8 = torch.empty(2 * need, dtype=torch.uint8)
+    return _align64(buf.data_ptr())
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     """A tensor's data pointer, or NULL for None."""
     return None if t is None else t.data_ptr()
@@ -219,6 +233,7 @@ class Kernels:
         self.isa = isa
         self.name = f"native-{isa.name}"
         self._cdll = lib
+        self._typed_fns: dict[tuple[str, torch.dtype], Callable[..., Any]] = {}
 
     def __deepcopy__(self, memo) -> "Kernels":
         return self  # a handle to the one loaded library: copies of a model share it
@@ -234,13 +249,19 @@ class Kernels:
     def _typed(self, fn: str, x: torch.Tensor, *others: torch.Tensor | None) -> Callable[..., Any]:
         """Kernel ``fn`` in the form for ``x``'s dtype; ValueError for a dtype it has no form for
         or for ``others`` (None skipped) in another dtype."""
-        suffix = _DTYPE_SUFFIX.get(x.dtype)
-        if suffix is None:
-            raise ValueError(f"{fn}: the kernels take float32 or bfloat16 tensors, not {x.dtype}")
-        mixed = sorted({str(t.dtype) for t in others if t is not None and t.dtype != x.dtype})
-        if mixed:
-            raise ValueError(f"{fn}: every tensor must be {x.dtype} like the input, got {', '.join(mixed)}")
-        return getattr(self._lib(), fn + suffix)
+        dtype = x.dtype
+        for t in others:
+            if t is not None and t.dtype != dtype:
+                mixed = sorted({str(t.dtype) for t in others if t is not None and t.dtype != dtype})
+                raise ValueError(f"{fn}: every tensor must be {dtype} like the input, got {', '.join(mixed)}")
+        lib = self._lib()  # also sets this thread's OpenMP thread count
+        typed = self._typed_fns.get((fn, dtype))
+        if typed is None:
+            suffix = _DTYPE_SUFFIX.get(dtype)
+            if suffix is None:
+                raise ValueError(f"{fn}: the kernels take float32 or bfloat16 tensors, not {dtype}")
+            typed = self._typed_fns[(fn, dtype)] = getattr(lib, fn + suffix)
+        return typed
 
     def gemm_i8(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """``x`` float32 [M, K] contiguous, ``weight`` int8 [N, K], ``scale`` float32 [N] -> [M, N]."""
@@ -259,10 +280,10 @@ class Kernels:
         if k % 32:
             raise ValueError(f"gemm_w8a8: K must be a multiple of 32, got {k}")
         y = torch.empty(m, n, dtype=torch.float32)
-        xq = torch.empty(m, k, dtype=torch.int8)
-        xs = torch.empty(m, k // 32, dtype=torch.float32)
+        xq = _w8a8_scratch(m * k)
+        # the rounded inputs (m * k bytes), then their scales (m * k / 32 floats), 64-byte aligned
         lib.tandem_gemm_w8a8(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k,
-                             xq.data_ptr(), xs.data_ptr())
+                             xq, xq + _align64(m * k))
         return y
 
     def dequant_i8(self, weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, n0: int, n1: int) -> torch.Tensor:

@@ -59,26 +59,6 @@ static inline float gated1(float x, float a, float b) {
     return x / (1.0f + expf(-z));
 }
 
-/* p[0 .. n) replaced by softmax(p): the maximum subtracted, exp, divided by the sum. */
-static inline void softmax_inplace(float *p, long n) {
-    float m = -INFINITY;
-    for (long i = 0; i < n; i++) m = p[i] > m ? p[i] : m;
-    __m256 vm = _mm256_set1_ps(m), vsum = _mm256_setzero_ps();
-    long i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), vm));
-        _mm256_storeu_ps(p + i, e);
-        vsum = _mm256_add_ps(vsum, e);
-    }
-    float sum = hsum8(vsum);
-    for (; i < n; i++) {
-        p[i] = expf(p[i] - m);
-        sum += p[i];
-    }
-    float inv = 1.0f / sum;
-    for (i = 0; i < n; i++) p[i] *= inv;
-}
-
 /* bfloat16 <-> float32 with integer operations. A bf16 value is the upper half of a float32's
  * bits: widening shifts it left by 16; narrowing rounds to nearest, ties to even (add 0x7fff
  * plus the lowest kept bit, drop the lower 16 bits), so finite values too large round to

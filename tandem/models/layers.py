@@ -31,7 +31,8 @@ class RMSNorm(nn.Module):
         self._rms_norm = ops.rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._rms_norm(x, self.weight, self.eps, self.offset)
+        # the parameter straight from its dict: Module.__getattr__ costs ~1 us, ~70 norms a step
+        return self._rms_norm(x, self._parameters["weight"], self.eps, self.offset)
 
 
 def _inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:

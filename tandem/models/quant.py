@@ -118,9 +118,12 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, w8a
     """``x`` [..., K] times int8 ``qweight`` [N, K] (per-row ``scale``) -> float32 [..., N];
     with ``w8a8``, ``x`` is first rounded to int8 per block (see ``quantize_activations``).
     ``kernels``: the C kernels to use (``OpTable.int8_kernels``; CPU tensors only), or None."""
+    n, k = qweight.shape
+    if (w8a8 and kernels is not None and k % QBLOCK == 0 and x.dim() == 2 and x.dtype == torch.float32
+            and x.is_contiguous()):
+        return kernels.gemm_w8a8(x, qweight, scale)  # every layer's call in float32: no reshapes
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
-    n, k = qweight.shape
     if w8a8:
         if kernels is not None and k % QBLOCK == 0:
             return kernels.gemm_w8a8(x2, qweight, scale).reshape(*lead, n)
@@ -155,7 +158,7 @@ class QuantLinear(nn.Module):
         y = self.matmul(x)
         if self.bias is not None:
             y = y + self.bias
-        return y.to(x.dtype)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 class Int8Linear(QuantLinear):
@@ -177,7 +180,9 @@ class Int8Linear(QuantLinear):
         return cls(*quantize_rows(linear.weight), linear.bias, w8a8, kernels)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_matmul(x, self.qweight, self.scale, self.w8a8, self.kernels)
+        # straight from the buffer dict: Module.__getattr__ costs a microsecond a name, ~70 times a step
+        buffers = self._buffers
+        return int8_matmul(x, buffers["qweight"], buffers["scale"], self.w8a8, self.kernels)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.qweight[ids].float() * self.scale[ids, None]
