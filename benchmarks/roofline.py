@@ -69,8 +69,9 @@ def main() -> None:
     torch.set_num_threads(torch.get_num_threads())
 
     started = time.perf_counter()
+    # no prefix cache: each chunk size prefills the same prompt, which must be computed every time
     llm = LLM(dtype=args.dtype, quantization=args.quantization, max_num_seqs=64, max_num_batched_tokens=4096,
-              max_model_len=2048)
+              max_model_len=2048, enable_prefix_caching=False)
     load_s = time.perf_counter() - started
     spec, dtype = llm.loaded.spec, llm.loaded.dtype
     dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float32"
