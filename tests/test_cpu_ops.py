@@ -57,6 +57,19 @@ def test_argmax_takes_the_first_of_equal_maxima(kernels):
     assert x[:3].argmax(dim=-1).tolist() == [3, 9, 0]
 
 
+def test_argmax_of_one_long_row_split_across_threads_keeps_the_first_maximum(kernels):
+    """One row of a vocabulary's size is split into spans for the threads: ties across spans
+    (and a maximum in the last, shorter span) resolve as in one pass."""
+    n = 262147
+    x = torch.full((3, n), -float("inf"))
+    x[0, [200000, 40000, n - 1]] = 3.0  # equal maxima in three spans: the first
+    x[1, :] = 0.25  # all equal: index 0
+    x[1, n - 1] = 0.5  # ... except the very last value
+    for row in range(3):  # one row at a time, as at batch 1 (row 2: all -inf, index 0 as torch)
+        assert kernels.argmax_rows(x[row : row + 1]).tolist() == [[40000], [n - 1], [0]][row]
+        assert kernels.argmax_rows(x[row : row + 1]).tolist() == x[row : row + 1].argmax(dim=-1).tolist()
+
+
 def test_dispatch_wrappers_take_non_contiguous_inputs():
     """The op table's kernel entries accept views (a transposed or sliced tensor) as torch does."""
     ops = select_ops("cpu", torch.float32)

@@ -7,6 +7,7 @@
  * for waking them. Built and loaded by tandem/kernels/native.py.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 
 #include "simd.h"
@@ -59,38 +60,73 @@ void tandem_act_mul(const float *gate_up, float *out, long rows, long I, int kin
     }
 }
 
-/* out[r] = index of the largest value of row r (the first one on ties); NaNs are never chosen. */
+/* The largest value of x[k0 .. k1) and its index (the first one on ties; -1 if every value is
+ * NaN or -inf), in *m and *arg. */
+static void argmax_span(const float *x, long k0, long k1, float *m, long *arg) {
+    __m256 best = _mm256_set1_ps(-INFINITY);
+    __m256i best_i = _mm256_set1_epi32(-1);
+    __m256i idx = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)k0));
+    __m256i step = _mm256_set1_epi32(8);
+    long k = k0;
+    for (; k + 8 <= k1; k += 8) {
+        __m256 v = _mm256_loadu_ps(x + k);
+        __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);  /* strict: the first index stays */
+        best = _mm256_blendv_ps(best, v, gt);
+        best_i = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(best_i), _mm256_castsi256_ps(idx), gt));
+        idx = _mm256_add_epi32(idx, step);
+    }
+    float bv[8];
+    int32_t bi[8];
+    _mm256_storeu_ps(bv, best);
+    _mm256_storeu_si256((__m256i *)bi, best_i);
+    float bm = -INFINITY;
+    long ba = -1;
+    for (int l = 0; l < 8; l++)
+        if (bi[l] >= 0 && (bv[l] > bm || (bv[l] == bm && bi[l] < ba))) {
+            bm = bv[l];
+            ba = bi[l];
+        }
+    for (; k < k1; k++)
+        if (x[k] > bm) {
+            bm = x[k];
+            ba = k;
+        }
+    *m = bm;
+    *arg = ba;
+}
+
+/* Spans of a row handed to the threads when there are fewer rows than threads (greedy decode at
+ * batch 1: one row of 262,144 logits). */
+#define ARGMAX_SPANS 8
+
+/* out[r] = index of the largest value of row r (the first one on ties); NaNs are never chosen.
+ * Exact whichever way a row is split, so the result never depends on the batch. */
 void tandem_argmax_rows(const float *x, int64_t *out, long rows, long N) {
+    if (rows < omp_get_max_threads() && N >= 4 * PARALLEL_MIN_ELEMENTS) {
+        for (long r = 0; r < rows; r++) {
+            float m[ARGMAX_SPANS];
+            long arg[ARGMAX_SPANS], span = (N + ARGMAX_SPANS - 1) / ARGMAX_SPANS;
+#pragma omp parallel for schedule(static)
+            for (int p = 0; p < ARGMAX_SPANS; p++) {
+                long k0 = p * span, k1 = k0 + span < N ? k0 + span : N;
+                argmax_span(x + r * N, k0 < N ? k0 : N, k1, &m[p], &arg[p]);
+            }
+            float bm = -INFINITY;
+            long ba = -1;
+            for (int p = 0; p < ARGMAX_SPANS; p++) /* in order, strictly greater: the first index stays */
+                if (arg[p] >= 0 && (ba < 0 || m[p] > bm)) {
+                    bm = m[p];
+                    ba = arg[p];
+                }
+            out[r] = ba < 0 ? 0 : ba;
+        }
+        return;
+    }
 #pragma omp parallel for schedule(static) if (rows * N >= 4 * PARALLEL_MIN_ELEMENTS)
     for (long r = 0; r < rows; r++) {
-        const float *xr = x + r * N;
-        __m256 best = _mm256_set1_ps(-INFINITY);
-        __m256i best_i = _mm256_set1_epi32(-1);
-        __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), step = _mm256_set1_epi32(8);
-        long k = 0;
-        for (; k + 8 <= N; k += 8) {
-            __m256 v = _mm256_loadu_ps(xr + k);
-            __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);  /* strict: the first index stays */
-            best = _mm256_blendv_ps(best, v, gt);
-            best_i = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(best_i), _mm256_castsi256_ps(idx), gt));
-            idx = _mm256_add_epi32(idx, step);
-        }
-        float bv[8];
-        int32_t bi[8];
-        _mm256_storeu_ps(bv, best);
-        _mm256_storeu_si256((__m256i *)bi, best_i);
-        float m = -INFINITY;
-        long arg = -1;
-        for (int l = 0; l < 8; l++)
-            if (bi[l] >= 0 && (bv[l] > m || (bv[l] == m && bi[l] < arg))) {
-                m = bv[l];
-                arg = bi[l];
-            }
-        for (; k < N; k++)
-            if (xr[k] > m) {
-                m = xr[k];
-                arg = k;
-            }
+        float m;
+        long arg;
+        argmax_span(x + r * N, 0, N, &m, &arg);
         out[r] = arg < 0 ? 0 : arg;
     }
 }
