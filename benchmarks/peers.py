@@ -23,7 +23,6 @@ Writes peers.md (table, ratios, chart), peers.json and peers.png to --out-dir.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import platform
@@ -93,15 +92,11 @@ def build_plan(args: argparse.Namespace, tokenizer) -> Plan:
 def machine_facts(args) -> dict:
     import torch
 
+    from tandem.kernels.cpu_features import cpu_model
 
-    cpu = "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
     return {
-        "cpu": cpu, "cores": os.cpu_count(), "threads": args.threads, "host": platform.node(),
+        # with family and model: "AMD EPYC" alone names several machines
+        "cpu": cpu_model(), "cores": os.cpu_count(), "threads": args.threads, "host": platform.node(),
         "python": platform.python_version(), "torch": torch.__version__,
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
