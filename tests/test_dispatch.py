@@ -101,3 +101,33 @@ def test_model_built_with_a_table_runs_its_choices(tmp_path):
     norms = [m for m in loaded.model.modules() if m.__class__.__name__ == "RMSNorm"]
     assert norms and all(m._rms_norm is reference.rms_norm for m in norms)
     assert loaded.model.ops.describe()["rms_norm"] == "torch"
+
+
+def _fake_cpu(monkeypatch, features: set[str], amx_permitted: bool = False) -> None:
+    info = SimpleNamespace(features=frozenset(features), amx_permitted=amx_permitted)
+    monkeypatch.setattr(dispatch, "cpu_info", lambda: info)
+
+
+@pytest.mark.parametrize("features, amx, road", [
+    ({"avx2", "avx512", "avx512_bf16"}, False, "onednn-bf16"),
+    ({"avx2", "amx_tile", "amx_bf16"}, True, "onednn-bf16"),
+    ({"avx2", "amx_tile", "amx_bf16"}, False, "w8a8-kernel"),  # the OS refused the tiles
+    ({"avx2", "avx512", "avx512_vnni"}, False, "w8a8-kernel"),
+])
+def test_w8a8_prompt_rows_take_bf16_only_where_the_cpu_has_bf16_arithmetic(monkeypatch, features, amx, road):
+    _fake_library(monkeypatch, True)
+    _fake_cpu(monkeypatch, features, amx)
+    ops = select_ops("cpu", torch.float32)
+    assert ops.choices["w8a8_prompt_matmul"].impl == road
+    assert ops.w8a8_prompt_bf16_tokens == (dispatch.W8A8_PROMPT_BF16_TOKENS if road == "onednn-bf16" else None)
+    if road == "w8a8-kernel":
+        assert "no bf16 arithmetic" in ops.choices["w8a8_prompt_matmul"].reason
+
+
+def test_w8a8_prompt_rows_can_be_disabled_and_stay_off_for_bf16_activations(monkeypatch):
+    _fake_library(monkeypatch, True)
+    _fake_cpu(monkeypatch, {"avx2", "avx512", "avx512_bf16"})
+    off = select_ops("cpu", torch.float32, disable=("w8a8_prompt_matmul",))
+    assert off.w8a8_prompt_bf16_tokens is None and off.choices["w8a8_prompt_matmul"].reason == "disabled by the caller"
+    assert select_ops("cpu", torch.bfloat16).w8a8_prompt_bf16_tokens is None
+    assert select_ops("cuda", torch.float32).w8a8_prompt_bf16_tokens is None

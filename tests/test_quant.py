@@ -185,3 +185,73 @@ def test_w8a8_utilization_peak_times_the_integer_matmul(kernels):
     peaks = measure_peaks("cpu", "float32", seconds=0.05, w8a8_kernels=Recording())
     assert calls and calls[0] == (torch.Size([1024, 1024]), torch.int8, torch.Size([1024]))
     assert peaks.flops_per_s > 0 and peaks.bytes_per_s > 0
+
+
+def _native_bf16() -> bool:
+    from tandem.kernels.cpu_features import cpu_info
+
+    info = cpu_info()
+    return "avx512_bf16" in info.features or ("amx_bf16" in info.features and info.amx_permitted)
+
+
+@pytest.mark.parametrize("use_kernels", [True, False])
+@pytest.mark.parametrize("bf16_rows", [list(range(40)), list(range(7, 40)), [*range(2, 11), *range(20, 40)]])
+def test_w8a8_prompt_rows_multiply_in_bf16_and_the_rest_stay_w8a8(use_kernels, bf16_rows, kernels):
+    """Inside a forward pass whose split names some rows (prompt positions of long prompts):
+    those rows are bf16(x) @ bf16(q).T (the int8 weights exactly) times the scales; the others
+    are the w8a8 rows they would be alone; outside a forward pass every row is w8a8."""
+    from tandem.models.context import BF16_ROWS, row_split
+
+    torch.manual_seed(3)
+    q, s = quantize_rows(torch.randn(48, 64))
+    lin = Int8Linear(q, s, None, w8a8=True, kernels=kernels if use_kernels else None)
+    x = torch.randn(40, 64)
+    split = row_split(bf16_rows, 40, torch.device("cpu"))
+    token = BF16_ROWS.set(split)
+    try:
+        got = lin(x)
+    finally:
+        BF16_ROWS.reset(token)
+    rest = [r for r in range(40) if r not in bf16_rows]
+    assert (split.rest is None) == (not rest)
+    if rest:
+        assert torch.equal(got[rest], lin(x[rest]))  # w8a8, as alone
+    want = torch.nn.functional.linear(x[bf16_rows].to(torch.bfloat16), q.to(torch.bfloat16)).float() * s
+    assert torch.equal(got[bf16_rows], want)
+    assert torch.equal(lin(x), int8_matmul(x, q, s, w8a8=True, kernels=lin.kernels))  # no forward pass: w8a8
+
+
+def test_w8a8_bf16_prompt_rows_do_not_depend_on_how_many_share_the_call():
+    """oneDNN's bf16 rows are the same bits whatever the row count of the call (what keeps a
+    prompt chunk's rows independent of its step mates); checked where the CPU has bf16 arithmetic."""
+    if not _native_bf16():
+        pytest.skip("this CPU has no bf16 arithmetic (avx512_bf16 or AMX): the bf16 road is off here")
+    torch.manual_seed(4)
+    w = torch.randint(-127, 128, (1536, 640)).to(torch.bfloat16)
+    x = torch.randn(300, 640).to(torch.bfloat16)
+    full = torch.nn.functional.linear(x, w)
+    for a, b in ((0, 32), (5, 70), (33, 300), (299, 300)):
+        assert torch.equal(torch.nn.functional.linear(x[a:b], w), full[a:b])
+
+
+def test_w8a8_with_bf16_prompt_rows_keeps_greedy_outputs_batch_independent(tmp_path, monkeypatch):
+    """The runner names the prompt positions of long prompts (here 8+ tokens, so most of the
+    test's prompts), mixed with decodes and split over steps by a 16-token budget: each request's
+    greedy tokens are the same together and alone, and the bf16 road did run."""
+    if not _native_bf16():
+        pytest.skip("this CPU has no bf16 arithmetic (avx512_bf16 or AMX): the bf16 road is off here")
+    import dataclasses
+
+    from tandem import LLM
+    from tiny_models import greedy_together_and_alone
+
+    save_tiny("gemma3", tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", quantization="w8a8", max_num_batched_tokens=16)
+    model = llm.engine.runner.model
+    model.ops = dataclasses.replace(model.ops, w8a8_prompt_bf16_tokens=8)
+    calls = []
+    real = Int8Linear._bf16_rows
+    monkeypatch.setattr(Int8Linear, "_bf16_rows", lambda self, x: calls.append(x.shape[0]) or real(self, x))
+    together, alone = greedy_together_and_alone(llm)
+    assert together == alone
+    assert calls and llm.engine.allocator.all_free()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.models.context import ForwardContext
+from tandem.models.context import BF16_ROWS, ForwardContext
 from tandem.models.layers import RMSNorm, RotaryEmbedding
 from tandem.models.spec import ModelSpec
 from tandem.ops.dispatch import REFERENCE, OpTable
@@ -38,8 +38,12 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``input_ids`` [num_tokens] -> final hidden states [num_tokens, hidden]."""
         x = self.embed(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, ctx)
+        token = BF16_ROWS.set(ctx.bf16_rows)
+        try:
+            for layer in self.model.layers:
+                x = layer(x, ctx)
+        finally:
+            BF16_ROWS.reset(token)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

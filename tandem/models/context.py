@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -17,3 +18,32 @@ class ForwardContext:
     positions: torch.Tensor  # [num_tokens]
     rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     """cos/sin rows for ``positions``, per rotary table, looked up once per step."""
+    bf16_rows: "RowSplit | None" = None
+    """The token rows w8a8 layers multiply in bf16 (prompt positions of requests with long
+    prompts: ``OpTable.w8a8_prompt_bf16_tokens``) and the rest; None: every row in w8a8."""
+
+
+@dataclass(frozen=True)
+class RowSplit:
+    """A step's token rows in two sets: ``bf16`` and ``rest`` (ascending row indices); ``rest`` is
+    None when every row is in ``bf16``."""
+
+    bf16: torch.Tensor
+    rest: torch.Tensor | None
+
+
+def row_split(bf16_rows: list[int], num_rows: int, device: torch.device) -> RowSplit | None:
+    """The split for rows ``bf16_rows`` (ascending) of ``num_rows``; None when it is empty."""
+    if not bf16_rows:
+        return None
+    if len(bf16_rows) == num_rows:
+        return RowSplit(torch.arange(num_rows, device=device), None)
+    chosen = set(bf16_rows)
+    rest = [r for r in range(num_rows) if r not in chosen]
+    return RowSplit(torch.tensor(bf16_rows, dtype=torch.long, device=device),
+                    torch.tensor(rest, dtype=torch.long, device=device))
+
+
+BF16_ROWS: ContextVar[RowSplit | None] = ContextVar("bf16_rows", default=None)
+"""``ForwardContext.bf16_rows`` of the forward pass in progress (set by ``CausalLM.forward`` for
+its layers; None outside one): the linear layers are called with their input only."""

@@ -8,7 +8,13 @@ the nearest multiple of it (symmetric, per channel). Two modes:
 - ``w8a8``: each input row is also quantized at run time, one scale per block of ``QBLOCK``
   values (``max|x| / 127``, rounded half to even), and the kernel sums int8 products exactly in
   integers: twice float32's multiply-adds per instruction where the step is bound by arithmetic
-  (prefill, large decode batches), at the cost of the activations' rounding.
+  (prefill, large decode batches), at the cost of the activations' rounding. Where the CPU has
+  bf16 arithmetic (``OpTable.w8a8_prompt_bf16_tokens``), the prompt positions of requests with
+  prompts of 32+ tokens instead multiply ``bf16(x)`` by the int8 weights held exactly as bf16
+  integers (oneDNN), then the scales: the integer kernel pays a conversion and a float
+  multiply-add per VNNI product, oneDNN's bf16 dot product neither. Which road a row takes
+  depends on its request and position only (decode rows and short prompts: always the integer
+  kernel), so results stay independent of the batch.
 
 Decode reads every weight once per step, so int8 weights cut the bytes a step must read by 4x
 against float32. Weight-only int8 uses the AVX2 kernel in ``tandem.kernels`` for small batches
@@ -32,6 +38,7 @@ from torch import nn
 
 from tandem.kernels.native import Kernels
 from tandem.models.base import CausalLM
+from tandem.models.context import BF16_ROWS, RowSplit
 
 
 @dataclass(frozen=True)
@@ -174,6 +181,7 @@ class Int8Linear(QuantLinear):
         self.kernels = kernels
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
+        self._qweight_bf16: torch.Tensor | None = None  # w8a8's prompt rows, made at first use
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, w8a8: bool = False, kernels: Kernels | None = None) -> "Int8Linear":
@@ -182,7 +190,30 @@ class Int8Linear(QuantLinear):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         # straight from the buffer dict: Module.__getattr__ costs a microsecond a name, ~70 times a step
         buffers = self._buffers
+        split = BF16_ROWS.get() if self.w8a8 else None
+        if split is not None and x.dim() == 2:
+            return self._split_rows(x, split)
         return int8_matmul(x, buffers["qweight"], buffers["scale"], self.w8a8, self.kernels)
+
+    def _bf16_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``bf16(x) @ q.T`` by oneDNN, ``q`` the int8 weights held exactly as bf16 integers
+        (|q| <= 127 fits bf16's 8-bit mantissa), each output column then times its float32
+        scale. A row's result depends on its own values only: oneDNN's rows do not depend on how
+        many share the call (tests/test_quant.py)."""
+        q, scale = self._buffers["qweight"], self._buffers["scale"]
+        if self._qweight_bf16 is None or self._qweight_bf16.device != q.device:
+            self._qweight_bf16 = q.to(torch.bfloat16)
+        return F.linear(x.to(torch.bfloat16), self._qweight_bf16) * scale
+
+    def _split_rows(self, x: torch.Tensor, split: RowSplit) -> torch.Tensor:
+        """The rows ``split.bf16`` through ``_bf16_rows``, the others through the w8a8 path."""
+        if split.rest is None:
+            return self._bf16_rows(x)
+        q, scale = self._buffers["qweight"], self._buffers["scale"]
+        y = torch.empty(x.shape[0], q.shape[0], dtype=torch.float32, device=x.device)
+        y.index_copy_(0, split.rest, int8_matmul(x.index_select(0, split.rest), q, scale, True, self.kernels))
+        y.index_copy_(0, split.bf16, self._bf16_rows(x.index_select(0, split.bf16)))
+        return y
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.qweight[ids].float() * self.scale[ids, None]
