@@ -76,7 +76,8 @@ def main() -> None:
     spec, dtype = llm.loaded.spec, llm.loaded.dtype
     dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float32"
     # with w8a8 weights the compute floor is the integer matmul's, not float32's
-    peaks = measure_peaks("cpu", dtype_name, seconds=2.0, w8a8_kernels=llm.loaded.w8a8_kernels)
+    peaks = measure_peaks("cpu", dtype_name, seconds=2.0, w8a8_kernels=llm.loaded.w8a8_kernels,
+                          bf16_prompts=llm.loaded.w8a8_bf16_prompts)
     result: dict = {"command": "benchmarks/roofline.py " + " ".join(sys.argv[1:]), "dtype": dtype_name,
                     "quantization": llm.loaded.quantization, "threads": torch.get_num_threads(),
                     "start_s": load_s, "paths": llm.loaded.paths(),
@@ -85,7 +86,8 @@ def main() -> None:
     print(f"engine start (model from the converted cache): {load_s:.1f} s", flush=True)
     result["peaks"] = {
         "matmul_gflops_1024": peaks.flops_per_s / 1e9,
-        "matmul_kind": "w8a8 (int8 products)" if llm.loaded.w8a8_kernels is not None else dtype_name,
+        "matmul_kind": ("w8a8 (int8 products) or bf16 (prompt rows), the faster" if llm.loaded.w8a8_bf16_prompts
+                        else "w8a8 (int8 products)" if llm.loaded.w8a8_kernels is not None else dtype_name),
         "bandwidth_gb_s": peaks.bytes_per_s / 1e9,
         "output_layer_gflops_by_rows": {rows: matmul_flops(rows, spec.hidden_size, spec.vocab_size, dtype) / 1e9
                                         for rows in (1, 16, 64)},

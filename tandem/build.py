@@ -105,6 +105,11 @@ class LoadedModel:
         compute peak utilization is measured against)."""
         return self.model.ops.int8_kernels if self.quantization == "w8a8" else None
 
+    @property
+    def w8a8_bf16_prompts(self) -> bool:
+        """w8a8 with its prompt rows on bf16 matmuls (``OpTable.w8a8_prompt_bf16_tokens``)."""
+        return self.quantization == "w8a8" and self.model.ops.w8a8_prompt_bf16_tokens is not None
+
     def paths(self) -> dict[str, object]:
         """Which paths run: the CPU and its features, each op's implementation and why, the
         weight format and how it was chosen (start-up log, /config, /metrics, result files)."""

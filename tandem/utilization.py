@@ -66,12 +66,14 @@ class ModelCost:
 
 
 def measure_peaks(device: str = "cpu", dtype_name: str = "float32", seconds: float = 0.6,
-                  w8a8_kernels=None) -> Peaks:
+                  w8a8_kernels=None, bf16_prompts: bool = False) -> Peaks:
     """Best observed matmul FLOP/s (in the engine's dtype) and memory read bandwidth.
 
     ``w8a8_kernels``: the native kernels when the weights run as w8a8; the compute peak is then
     their integer matmul's (activations rounded to int8, int32 products), which outruns a float32
-    matmul several times, so utilization against the float32 peak would read above 100%."""
+    matmul several times, so utilization against the float32 peak would read above 100%.
+    ``bf16_prompts``: w8a8's prompt rows run bf16 matmuls (``OpTable.w8a8_prompt_bf16_tokens``):
+    the peak is then the faster of the integer kernel's and bf16's."""
     import torch
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
@@ -96,12 +98,17 @@ def measure_peaks(device: str = "cpu", dtype_name: str = "float32", seconds: flo
     else:
         def matmul() -> None:
             torch.mm(a, b)
+    matmuls = [matmul]
+    if w8a8_kernels is not None and bf16_prompts:
+        a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+        matmuls.append(lambda: torch.mm(a16, b16))
     while time.perf_counter() < deadline:
-        sync()
-        t = time.perf_counter()
-        matmul()
-        sync()
-        best_flops = max(best_flops, 2 * n**3 / (time.perf_counter() - t))
+        for fn in matmuls:
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            best_flops = max(best_flops, 2 * n**3 / (time.perf_counter() - t))
     # Larger than any last-level cache, so the sum streams from memory.
     big = torch.ones(64 << 20 if dev.type == "cpu" else 1 << 30, dtype=torch.float32, device=dev)
     best_bw = 0.0

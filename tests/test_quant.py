@@ -187,6 +187,23 @@ def test_w8a8_utilization_peak_times_the_integer_matmul(kernels):
     assert peaks.flops_per_s > 0 and peaks.bytes_per_s > 0
 
 
+def test_w8a8_with_bf16_prompt_rows_peaks_at_the_faster_of_the_two(kernels, monkeypatch):
+    """With the prompt rows on bf16 matmuls the peak is the better of the integer kernel's and a
+    bf16 torch.mm's (a prompt step's utilization would read over 100% against the kernel's)."""
+    from tandem import utilization
+
+    class Slow:  # an integer kernel that never beats bf16
+        def gemm_w8a8(self, x, q, s):
+            import time
+
+            time.sleep(0.2)
+
+    kernel_only = utilization.measure_peaks("cpu", "float32", seconds=0.1, w8a8_kernels=Slow())
+    both = utilization.measure_peaks("cpu", "float32", seconds=0.1, w8a8_kernels=Slow(), bf16_prompts=True)
+    assert kernel_only.flops_per_s < 2 * 1024**3 / 0.2 + 1  # only the sleeping kernel was timed
+    assert both.flops_per_s > kernel_only.flops_per_s  # bf16 torch.mm timed too
+
+
 def _native_bf16() -> bool:
     from tandem.kernels.cpu_features import cpu_info
 

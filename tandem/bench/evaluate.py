@@ -88,7 +88,8 @@ class InProcessEvaluator:
         self.prompt_tokenizer = prompt_tokenizer
         self.cost = self.loaded.cost()
         dtype = "bfloat16" if str(self.loaded.dtype) == "torch.bfloat16" else "float32"
-        self.peaks = peaks or measure_peaks(self.loaded.device.type, dtype, w8a8_kernels=self.loaded.w8a8_kernels)
+        self.peaks = peaks or measure_peaks(self.loaded.device.type, dtype, w8a8_kernels=self.loaded.w8a8_kernels,
+                                                bf16_prompts=self.loaded.w8a8_bf16_prompts)
 
     @property
     def tokenizer(self):

@@ -56,7 +56,8 @@ def build_state(engine_config: EngineConfig, server_config: ServerConfig) -> Ser
     if server_config.peak_flops and server_config.peak_memory_bandwidth:
         peaks = Peaks(server_config.peak_flops, server_config.peak_memory_bandwidth, measured=False)
     else:
-        measured = measure_peaks(loaded.device.type, dtype_name, w8a8_kernels=loaded.w8a8_kernels)
+        measured = measure_peaks(loaded.device.type, dtype_name, w8a8_kernels=loaded.w8a8_kernels,
+                                 bf16_prompts=loaded.w8a8_bf16_prompts)
         peaks = Peaks(server_config.peak_flops or measured.flops_per_s,
                       server_config.peak_memory_bandwidth or measured.bytes_per_s, measured=True)
     log.info("peaks for utilization: %.1f GFLOP/s, %.1f GB/s", peaks.flops_per_s / 1e9, peaks.bytes_per_s / 1e9)
