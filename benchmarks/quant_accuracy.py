@@ -60,7 +60,7 @@ from tandem.model_files import default_model_path
 from tandem.config import ModelConfig
 from tandem.kernels.cpu_features import cpu_model
 from tandem.models.auto_mode import ACCURACY_FILE
-from tandem.models.context import ForwardContext
+from tandem.models.context import ForwardContext, row_split
 from tandem.ops.paged_attention import build_metadata
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,7 +142,10 @@ def all_logits(loaded, ids: list[int]) -> torch.Tensor:
         spec.num_layers, 2, n_blocks * BLOCK, spec.num_kv_heads, spec.head_dim, dtype=loaded.dtype
     )
     meta = build_metadata([(0, len(ids), list(range(n_blocks)))], BLOCK, spec.sliding_window, torch.device("cpu"))
-    ctx = ForwardContext(meta, cache, torch.arange(len(ids)))
+    # every row is a prompt position: w8a8 takes its bf16 road for them where the runner would
+    limit = loaded.model.ops.w8a8_prompt_bf16_tokens
+    bf16_rows = row_split(list(range(len(ids))), len(ids), torch.device("cpu")) if limit and len(ids) >= limit else None
+    ctx = ForwardContext(meta, cache, torch.arange(len(ids)), bf16_rows=bf16_rows)
     with torch.inference_mode():
         return loaded.model.compute_logits(loaded.model(torch.tensor(ids), ctx)).float()
 
@@ -218,6 +221,7 @@ def teacher_forced(variant: str, texts: list[list[int]], ref) -> dict:
     out = summarize(parts)
     out["per_text"] = per_text
     out["forward_seconds"] = {"reference": ref_s, variant: var_s}
+    out["ops"] = loaded.model.ops.describe()  # which paths ran (w8a8's prompt rows: the kernel or bf16)
     out["ref_nll_sum"] = sum(p["ref_nll"].sum().item() for p in parts)  # the reference must repeat exactly
     del loaded, parts
     gc.collect()
