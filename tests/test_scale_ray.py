@@ -164,18 +164,29 @@ def test_round_robin_alternates(cluster):
 
 
 def test_least_loaded_avoids_the_busy_replica(cluster):
+    """Three short requests sent one after another while a long one runs all go to the other
+    replica. The long request (400 tokens of a tiny model) may finish before the third short one
+    is routed on a fast machine: such an attempt proves nothing and is run again."""
     with deploy(cluster, routing="least-loaded") as client:
-        with client.stream("POST", "/v1/completions", headers=AUTH,
-                           json={"prompt": "w1 w2", "max_tokens": 400, "ignore_eos": True, "stream": True}) as long:
-            lines = long.iter_lines()
-            next(lines)  # the long request runs
-            busy = next(x["replica"] for x in client.get("/replicas").json()["replicas"] if x["in_flight"])
-            for i in range(3):
-                complete(client, f"w{i} w9", max_tokens=2)
-            counts = per_replica(routed(client, 3))
-            assert busy not in counts and sum(counts.values()) == 3, counts
-            for _ in lines:
-                pass
+        for attempt in range(5):
+            before = routed(client)
+            with client.stream("POST", "/v1/completions", headers=AUTH,
+                               json={"prompt": "w1 w2", "max_tokens": 400, "ignore_eos": True, "stream": True}) as long:
+                lines = long.iter_lines()
+                next(lines)  # the long request runs
+                busy = next(x["replica"] for x in client.get("/replicas").json()["replicas"] if x["in_flight"])
+                for i in range(3):
+                    complete(client, f"w{i} w9", max_tokens=2)
+                still_busy = any(x["replica"] == busy and x["in_flight"]
+                                 for x in client.get("/replicas").json()["replicas"])
+                for _ in lines:
+                    pass
+            after = routed(client, sum(before.values()) + 4)  # the three short ones and the long one
+            counts = per_replica({k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)})
+            if still_busy:
+                assert counts.get(busy) == 1 and sum(counts.values()) == 4, counts  # only the long one
+                return
+        pytest.fail("the long request ended before the short ones were routed in every attempt")
 
 
 def test_a_killed_replica_ends_its_stream_and_others_serve(cluster):
