@@ -406,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     greedy_prompts = pick_greedy_prompts(ref.tokenizer, candidates, args.greedy_prompts) if args.greedy_prompts else []
     n_tokens = sum(map(len, texts))
     log(f"{len(texts)} texts from {source}, {n_tokens} tokens; variants: {', '.join(variants)}")
+    if not DATASET_DIR.is_dir():
+        log(f"warning: {DATASET_DIR} not found (a checkout elsewhere, e.g. a git worktree?): the texts are "
+            "the corpus paragraphs, so these figures do not compare with runs on the ShareGPT prompts")
     if len(texts) < args.texts:
         log(f"warning: only {len(texts)} texts of at least {MIN_TOKENS} tokens found")
 
