@@ -104,7 +104,9 @@ def test_model_built_with_a_table_runs_its_choices(tmp_path):
 
 
 def _fake_cpu(monkeypatch, features: set[str], amx_permitted: bool = False) -> None:
-    info = SimpleNamespace(features=frozenset(features), amx_permitted=amx_permitted)
+    from tandem.kernels.cpu_features import CPUInfo
+
+    info = CPUInfo("fake", frozenset(features), frozenset(features), amx_permitted, "AVX512")
     monkeypatch.setattr(dispatch, "cpu_info", lambda: info)
 
 

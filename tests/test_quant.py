@@ -207,8 +207,7 @@ def test_w8a8_with_bf16_prompt_rows_peaks_at_the_faster_of_the_two(kernels, monk
 def _native_bf16() -> bool:
     from tandem.kernels.cpu_features import cpu_info
 
-    info = cpu_info()
-    return "avx512_bf16" in info.features or ("amx_bf16" in info.features and info.amx_permitted)
+    return cpu_info().bf16_arithmetic
 
 
 @pytest.mark.parametrize("use_kernels", [True, False])

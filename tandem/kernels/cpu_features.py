@@ -40,6 +40,11 @@ class CPUInfo:
     def has(self, *names: str) -> bool:
         return all(n in self.features for n in names)
 
+    @property
+    def bf16_arithmetic(self) -> bool:
+        """bf16 dot products in hardware: AVX-512 bf16, or AMX bf16 tiles the OS lets us use."""
+        return self.has("avx512_bf16") or (self.has("amx_bf16") and self.amx_permitted)
+
     def describe(self) -> dict[str, object]:
         return {"model": self.model, "features": sorted(self.features), "amx_permitted": self.amx_permitted,
                 "torch_capability": self.torch_capability}

@@ -52,9 +52,9 @@ class AccuracyBudget:
 
 ACCURACY_BUDGET = AccuracyBudget()
 ROWS = (1, 16, 256)
-# Rounds of timing, the modes taken in turn in each (``_measure``).
-ROUNDS = 3
 """Rows per linear: a lone decode step, a batched decode step, a prefill chunk."""
+ROUNDS = 3
+"""Rounds of timing, the modes taken in turn in each (``_measure``)."""
 QUANTIZED = ("int8", "w8a8", "int4")
 """The quantized modes auto may pick (each needs an entry in the accuracy file)."""
 

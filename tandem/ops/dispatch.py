@@ -30,9 +30,10 @@ _NATIVE_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_t
 _FUSED_DTYPES = {torch.float32: "", torch.bfloat16: " in its bf16 form (bfloat16 in and out, float32 inside)"}
 
 
-# Prompt chunks from this many tokens on take w8a8's bf16 road (``OpTable.w8a8_prompt_bf16_tokens``):
+# Prompts from this many tokens on take w8a8's bf16 road (``OpTable.w8a8_prompt_bf16_tokens``):
 # below it, reading the bf16 copy of the weights (twice int8's bytes) would cost more than the
-# faster arithmetic saves. Decided per chunk, so a chunk's rows never depend on its step mates.
+# faster arithmetic saves. Decided per request (its prompt length), so a row's road never
+# depends on its step mates or on how its prompt was cut into chunks.
 W8A8_PROMPT_BF16_TOKENS = 32
 
 
@@ -67,9 +68,9 @@ class OpTable:
     """The same for int4 matmuls."""
     act_mul_kernels: native.Kernels | None
     w8a8_prompt_bf16_tokens: int | None = None
-    """w8a8 layers: rows of prompt chunks of at least this many tokens multiply through oneDNN's
-    bf16 matmul (the int8 weights held exactly as bf16 integers); None: every row through the
-    integer kernel (``tandem.models.quant``)."""
+    """w8a8 layers: the prompt positions of prompts of at least this many tokens multiply through
+    oneDNN's bf16 matmul (the int8 weights held exactly as bf16 integers); None: every row
+    through the integer kernel (``tandem.models.quant``)."""
     choices: dict[str, Choice] = field(default_factory=dict)
 
     def act_mul(self, act: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -129,27 +130,23 @@ def select_ops(
     pick("argmax", cpu_lib, why_not)  # logits are float32 whatever the model's dtype
     pick("int8_matmul", cpu_lib, why_not)
     pick("int4_matmul", cpu_lib, why_not)
-    unknown = disable - set(choices) - {"w8a8_prompt_matmul"}
-    if unknown:
-        raise ValueError(f"disable: unknown ops {', '.join(sorted(unknown))}; known: "
-                         f"{', '.join([*choices, 'w8a8_prompt_matmul'])}")
-    # w8a8's prompt chunks: the integer kernel pays a conversion and a float multiply-add per
-    # VNNI product (each block of 32 inputs has its own scale), oneDNN's bf16 dot product neither,
-    # so where the CPU has bf16 arithmetic a chunk's rows run faster there (docs/performance.md).
-    features = cpu_info().features
-    native_bf16 = "avx512_bf16" in features or ("amx_bf16" in features and cpu_info().amx_permitted)
-    if "w8a8_prompt_matmul" in disable:
-        prompt_bf16, why_prompt = False, "disabled by the caller"
-    elif device.type != "cpu" or dtype != torch.float32:
-        prompt_bf16, why_prompt = False, "w8a8 runs float32 activations on the CPU only"
-    elif not native_bf16:
-        prompt_bf16, why_prompt = False, "this CPU has no bf16 arithmetic (avx512_bf16 or AMX)"
+    # w8a8's prompt rows: the integer kernel pays a conversion and a float multiply-add per VNNI
+    # product (each block of 32 inputs has its own scale), oneDNN's bf16 dot product neither, so
+    # where the CPU has bf16 arithmetic prompt rows run faster there (docs/performance.md).
+    if device.type != "cpu" or dtype != torch.float32:
+        why_prompt = "w8a8 runs float32 activations on the CPU only"
+    elif not cpu_info().bf16_arithmetic:
+        why_prompt = "this CPU has no bf16 arithmetic (avx512_bf16 or AMX)"
     else:
-        prompt_bf16, why_prompt = True, ""
-    choices["w8a8_prompt_matmul"] = (
-        Choice("onednn-bf16", f"w8a8 layers: rows of prompt chunks of {W8A8_PROMPT_BF16_TOKENS}+ tokens through "
-                              "bf16 matmuls of the exact int8 weights (float32 activations rounded to bf16)")
-        if prompt_bf16 else Choice("w8a8-kernel", why_prompt))
+        why_prompt = ""
+    pick("w8a8_prompt_matmul", not why_prompt, why_prompt, "w8a8-kernel")
+    if use["w8a8_prompt_matmul"]:
+        choices["w8a8_prompt_matmul"] = Choice(
+            "onednn-bf16", f"w8a8 layers: the prompt positions of prompts of {W8A8_PROMPT_BF16_TOKENS}+ tokens "
+                           "through bf16 matmuls of the exact int8 weights (float32 activations rounded to bf16)")
+    unknown = disable - set(choices)
+    if unknown:
+        raise ValueError(f"disable: unknown ops {', '.join(sorted(unknown))}; known: {', '.join(choices)}")
     choices["linear"] = Choice("torch", "torch's matmul (oneDNN/BLAS on the CPU, cuBLAS on CUDA)")
     choices["prefill_attention"] = Choice("torch-sdpa", "gather through the block tables + SDPA")
     fused = _fused(lib) if lib is not None else {}
@@ -161,7 +158,7 @@ def select_ops(
         int8_kernels=lib if use["int8_matmul"] else None,
         int4_kernels=lib if use["int4_matmul"] else None,
         act_mul_kernels=lib if use["act_mul"] else None,
-        w8a8_prompt_bf16_tokens=W8A8_PROMPT_BF16_TOKENS if prompt_bf16 else None,
+        w8a8_prompt_bf16_tokens=W8A8_PROMPT_BF16_TOKENS if use["w8a8_prompt_matmul"] else None,
         choices=choices,
     )
     log.info("ops for %s/%s: %s", device.type, dtype_name,
