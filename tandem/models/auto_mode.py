@@ -160,7 +160,8 @@ def _time_mode(mode: str, modules: dict, spec: ModelSpec, dtype: torch.dtype) ->
 def _measure(modes: list[str], spec: ModelSpec, dtype: torch.dtype, ops: OpTable) -> dict[str, dict[str, float]]:
     """Each mode's times, the least of ``ROUNDS`` rounds that take the modes in turn (forwards,
     then backwards): on a shared machine a slow spell of a few seconds would otherwise land on one
-    mode only and decide against it (seen: w8a8 timed 1.7x slower in one pass, and int8 chosen)."""
+    mode only and decide against it (seen: w8a8 timed slower than int8 in one pass, and int8
+    chosen)."""
     modules = {mode: _mode_modules(mode, spec, dtype, ops) for mode in modes}
     best: dict[str, dict[str, float]] = {}
     for r in range(ROUNDS):
