@@ -60,7 +60,7 @@ from tandem.model_files import default_model_path
 from tandem.config import ModelConfig
 from tandem.kernels.cpu_features import cpu_model
 from tandem.models.auto_mode import ACCURACY_FILE
-from tandem.models.context import ForwardContext, row_split
+from tandem.models.context import ForwardContext, bf16_prompt_rows, row_split
 from tandem.ops.paged_attention import build_metadata
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,10 +142,10 @@ def all_logits(loaded, ids: list[int]) -> torch.Tensor:
         spec.num_layers, 2, n_blocks * BLOCK, spec.num_kv_heads, spec.head_dim, dtype=loaded.dtype
     )
     meta = build_metadata([(0, len(ids), list(range(n_blocks)))], BLOCK, spec.sliding_window, torch.device("cpu"))
-    # every row is a prompt position: w8a8 takes its bf16 road for them where the runner would
-    limit = loaded.model.ops.w8a8_prompt_bf16_tokens
-    bf16_rows = row_split(list(range(len(ids))), len(ids), torch.device("cpu")) if limit and len(ids) >= limit else None
-    ctx = ForwardContext(meta, cache, torch.arange(len(ids)), bf16_rows=bf16_rows)
+    # the text is one prompt: its rows take the roads the runner would give them
+    rows = bf16_prompt_rows(0, 0, len(ids), len(ids), False, loaded.model.ops.w8a8_prompt_bf16_tokens)
+    ctx = ForwardContext(meta, cache, torch.arange(len(ids)), bf16_rows=row_split(list(rows), len(ids),
+                                                                                   torch.device("cpu")))
     with torch.inference_mode():
         return loaded.model.compute_logits(loaded.model(torch.tensor(ids), ctx)).float()
 

@@ -32,6 +32,16 @@ class RowSplit:
     rest: torch.Tensor | None
 
 
+def bf16_prompt_rows(first_row: int, start: int, num_tokens: int, num_prompt_tokens: int, is_decode: bool,
+                     limit: int | None) -> range:
+    """The token rows of one chunk (rows ``first_row ..``, positions ``start ..``) that take
+    w8a8's bf16 road: its prompt positions, when the prompt has at least ``limit`` tokens (a
+    decode or a recompute's output positions never do; ``limit`` None: no row does)."""
+    if limit is None or is_decode or num_prompt_tokens < limit:
+        return range(0)
+    return range(first_row, first_row + max(0, min(num_tokens, num_prompt_tokens - start)))
+
+
 def row_split(bf16_rows: list[int], num_rows: int, device: torch.device) -> RowSplit | None:
     """The split for rows ``bf16_rows`` (ascending) of ``num_rows``; None when it is empty."""
     if not bf16_rows:

@@ -13,7 +13,7 @@ import torch
 
 from tandem.core.step import KVLayout, RunnerOutput, SampledToken, SchedulerOutput
 from tandem.models.base import CausalLM
-from tandem.models.context import ForwardContext, row_split
+from tandem.models.context import ForwardContext, bf16_prompt_rows, row_split
 from tandem.ops.paged_attention import build_metadata
 from tandem.runner.grammar import GrammarCompiler
 from tandem.runner.sampler import Sampler
@@ -60,10 +60,8 @@ class ModelRunner:
         bf16_limit = self.model.ops.w8a8_prompt_bf16_tokens
         bf16_rows: list[int] = []
         for chunk in out.chunks:
-            if bf16_limit is not None and chunk.num_prompt_tokens >= bf16_limit and not chunk.is_decode:
-                # the chunk's prompt positions (a recompute's output positions stay w8a8, as decoded)
-                first, prompt_left = len(input_ids), chunk.num_prompt_tokens - chunk.start
-                bf16_rows.extend(range(first, first + max(0, min(chunk.num_tokens, prompt_left))))
+            bf16_rows.extend(bf16_prompt_rows(len(input_ids), chunk.start, chunk.num_tokens, chunk.num_prompt_tokens,
+                                              chunk.is_decode, bf16_limit))
             input_ids.extend(chunk.token_ids)
             positions.extend(chunk.positions)
             if chunk.samples:
