@@ -6,11 +6,13 @@ One model per configuration (its ops chosen by ``tandem.ops.dispatch.select_ops`
 named ops disabled), one run. Configurations, each cumulative on the one before:
 
 1. ``all``: every kernel on (what tandem runs);
-2. ``-decode-attention``: decode attention through the gather + SDPA path instead of
+2. ``-decode-layers``: a decode step's layers op by op from Python instead of in one C call
+   (``decode_layers.c``; w8a8 only, so with other weight formats 1 and 2 are the same);
+3. ``-decode-attention``: decode attention through the gather + SDPA path instead of
    ``decode_attention.c``;
-3. ``-fused-layer-ops``: RMS norm, act(gate) * up, and q/k norm + rotary + cache write back to
+4. ``-fused-layer-ops``: RMS norm, act(gate) * up, and q/k norm + rotary + cache write back to
    the torch operators;
-4. ``-argmax``: greedy sampling with ``torch.argmax``.
+5. ``-argmax``: greedy sampling with ``torch.argmax``.
 
 The int8 matmul kernels stay on throughout (benchmarks/int8_kernel.py measures them). For each
 batch size, every configuration runs the same greedy requests (prompts of --context tokens;
@@ -37,9 +39,10 @@ from tandem.ops.dispatch import select_ops
 
 CONFIGS = {
     "all": (),
-    "-decode-attention": ("decode_attention",),
-    "-fused-layer-ops": ("decode_attention", "rms_norm", "act_mul", "qkv_rope_cache"),
-    "-argmax": ("decode_attention", "rms_norm", "act_mul", "qkv_rope_cache", "argmax"),
+    "-decode-layers": ("decode_layers",),
+    "-decode-attention": ("decode_layers", "decode_attention"),
+    "-fused-layer-ops": ("decode_layers", "decode_attention", "rms_norm", "act_mul", "qkv_rope_cache"),
+    "-argmax": ("decode_layers", "decode_attention", "rms_norm", "act_mul", "qkv_rope_cache", "argmax"),
 }
 
 

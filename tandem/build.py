@@ -20,6 +20,7 @@ from tandem.core.step_time import Observation, StepCost, features, fit
 from tandem.kernels.cpu_features import available_cores, cpu_info
 from tandem.models.auto_mode import AutoChoice, choose_quantization
 from tandem.models.base import CausalLM
+from tandem.models.decode_layers import DecodeLayers
 from tandem.models.quant import quantize_model_int8
 from tandem.models.quant_int4 import BYTES_PER_WEIGHT as INT4_BYTES_PER_WEIGHT
 from tandem.models.quant_int4 import quantize_model_int4
@@ -114,14 +115,20 @@ class LoadedModel:
         """Which paths run: the CPU and its features, each op's implementation and why, the
         weight format and how it was chosen (start-up log, /config, /metrics, result files)."""
         ops = self.model.ops
+        impls, reasons = ops.describe(), {op: c.reason for op, c in ops.choices.items()}
+        if self.model.decode_layers is None and impls.get("decode_layers", "per-op") != "per-op":
+            # the table allows the fused decode layers; this model's weights or layers do not
+            impls["decode_layers"] = "per-op"
+            reasons["decode_layers"] = (DecodeLayers.why_not(self.model)
+                                        or f"the fused decode layers take w8a8 weights, not {self.quantization}")
         return {
             "device": self.device.type,
             "cpu": cpu_info().describe() if self.device.type == "cpu" else None,
             "dtype": str(self.dtype).removeprefix("torch."),
             "quantization": self.quantization,
             "quantization_reason": self.auto.reason if self.auto else "asked for",
-            "ops": ops.describe(),
-            "op_reasons": {op: c.reason for op, c in ops.choices.items()},
+            "ops": impls,
+            "op_reasons": reasons,
         }
 
     def paths_line(self) -> str:
@@ -172,6 +179,7 @@ def load_model(config: ModelConfig, ops: OpTable | None = None) -> LoadedModel:
     load_weights(model, iter_safetensors(weights_dir))
     if quantization != "none":
         QUANTIZERS[quantization].apply(model)
+    model.decode_layers = DecodeLayers.build(model)
     model.eval()
     return LoadedModel(
         model, tokenizer, spec, config.model or "gemma-3-270m", max_len, device, dtype, quantization, auto

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "simd.h"
+#include "team.h"
 
 /* 1 / sqrt(mean(x^2) + eps) over D values. */
 static inline float inv_rms(const float *x, long D, float eps) {
@@ -27,8 +28,8 @@ static inline float inv_rms(const float *x, long D, float eps) {
 
 /* out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * (offset + w), rows of length D.
  * offset is 1 for Gemma's norms (weights stored as w - 1) and 0 otherwise. out may alias x. */
-void tandem_rms_norm(const float *x, const float *w, float *out, long rows, long D, float eps, float offset) {
-#pragma omp parallel for schedule(static) if (rows * D >= PARALLEL_MIN_ELEMENTS)
+void tandem_team_rms_norm(const float *x, const float *w, float *out, long rows, long D, float eps, float offset) {
+#pragma omp for schedule(static)
     for (long r = 0; r < rows; r++) {
         const float *xr = x + r * D;
         float *yr = out + r * D;
@@ -43,13 +44,18 @@ void tandem_rms_norm(const float *x, const float *w, float *out, long rows, long
     }
 }
 
+void tandem_rms_norm(const float *x, const float *w, float *out, long rows, long D, float eps, float offset) {
+#pragma omp parallel if (rows * D >= PARALLEL_MIN_ELEMENTS)
+    tandem_team_rms_norm(x, w, out, rows, D, eps, offset);
+}
+
 /* gate_up: [rows, 2 * I] (gate in the first half of each row, up in the second);
  * out[r, i] = act(gate[r, i]) * up[r, i]. kind 0: SiLU, 1: GELU (tanh form). */
-void tandem_act_mul(const float *gate_up, float *out, long rows, long I, int kind) {
+void tandem_team_act_mul(const float *gate_up, float *out, long rows, long I, int kind) {
     float a, b;
     gated_coefficients(kind, &a, &b);
     __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
-#pragma omp parallel for schedule(static) if (rows * I >= PARALLEL_MIN_ELEMENTS)
+#pragma omp for schedule(static)
     for (long r = 0; r < rows; r++) {
         const float *g = gate_up + r * 2 * I, *u = g + I;
         float *o = out + r * I;
@@ -58,6 +64,11 @@ void tandem_act_mul(const float *gate_up, float *out, long rows, long I, int kin
             _mm256_storeu_ps(o + k, _mm256_mul_ps(gated8(_mm256_loadu_ps(g + k), va, vb), _mm256_loadu_ps(u + k)));
         for (; k < I; k++) o[k] = gated1(g[k], a, b) * u[k];
     }
+}
+
+void tandem_act_mul(const float *gate_up, float *out, long rows, long I, int kind) {
+#pragma omp parallel if (rows * I >= PARALLEL_MIN_ELEMENTS)
+    tandem_team_act_mul(gate_up, out, rows, I, kind);
 }
 
 /* The largest value of x[k0 .. k1) and its index (the first one on ties; -1 if every value is
@@ -151,11 +162,11 @@ static void norm_rope_row(const float *src, float *dst, long D, const float *w, 
  * q heads normed (q_w, or none when NULL) and rotated into q_out [T, H, D]; k heads normed
  * (k_w) and rotated, and v heads copied, straight into the cache rows slots[t] of
  * k_cache/v_cache [slots, KVH, D]. cos/sin: [T, D], the rows of each token's position. */
-void tandem_qkv_to_cache(const float *qkv, long T, long H, long KVH, long D, const float *q_w, const float *k_w,
-                         float eps, float offset, const float *cos, const float *sin, const int64_t *slots,
-                         float *q_out, float *k_cache, float *v_cache) {
+void tandem_team_qkv_to_cache(const float *qkv, long T, long H, long KVH, long D, const float *q_w, const float *k_w,
+                              float eps, float offset, const float *cos, const float *sin, const int64_t *slots,
+                              float *q_out, float *k_cache, float *v_cache) {
     long width = (H + 2 * KVH) * D;
-#pragma omp parallel for schedule(static) if (T * width >= PARALLEL_MIN_ELEMENTS)
+#pragma omp for schedule(static)
     for (long t = 0; t < T; t++) {
         const float *row = qkv + t * width, *c = cos + t * D, *s = sin + t * D;
         for (long h = 0; h < H; h++) norm_rope_row(row + h * D, q_out + (t * H + h) * D, D, q_w, eps, offset, c, s);
@@ -166,4 +177,11 @@ void tandem_qkv_to_cache(const float *qkv, long T, long H, long KVH, long D, con
             for (long k = 0; k < D; k++) dst[k] = v[k];
         }
     }
+}
+
+void tandem_qkv_to_cache(const float *qkv, long T, long H, long KVH, long D, const float *q_w, const float *k_w,
+                         float eps, float offset, const float *cos, const float *sin, const int64_t *slots,
+                         float *q_out, float *k_cache, float *v_cache) {
+#pragma omp parallel if (T * (H + 2 * KVH) * D >= PARALLEL_MIN_ELEMENTS)
+    tandem_team_qkv_to_cache(qkv, T, H, KVH, D, q_w, k_w, eps, offset, cos, sin, slots, q_out, k_cache, v_cache);
 }

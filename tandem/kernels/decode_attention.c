@@ -23,10 +23,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
 #include "paged_cache.h"
 #include "simd.h"
-
-#define DECODE_PART 128
+#include "team.h"
 
 /* The element type's loads and stores, all through float32. */
 static inline float dot_f32(const float *q, const float *k, long D) {
@@ -134,66 +135,88 @@ static void merge_parts(const float *partial, long p0, long p1, long KVH, long g
     }
 }
 
+/* The parts of each sequence's context: first[s] is sequence s's first part (first[S]: the
+ * total, also returned; first may be NULL). */
+static long count_parts(const int64_t *context, long S, long window, long *first) {
+    long total = 0;
+    for (long s = 0; s < S; s++) {
+        if (first != NULL) first[s] = total;
+        long len = context[s] - window_start(context[s], window);
+        total += (len + DECODE_PART - 1) / DECODE_PART;
+    }
+    if (first != NULL) first[S] = total;
+    return total;
+}
+
+long tandem_decode_attention_parts(const int64_t *context, long S, long window) {
+    return count_parts(context, S, window, NULL);
+}
+
+/* Per thread: scores [G, DECODE_PART], then the widened query heads [G, D] (the merge reuses
+ * the start for one merged output [G, D]). */
+long tandem_decode_attention_prob_floats(long G, long D) { return G * (DECODE_PART + D) + 8; }
+
 /* q, out: [*, H, D] token rows; rows[s]: the row of sequence s's query (and of its output).
  * tables: [S, max_blocks]; context[s]: keys of sequence s (its query's position + 1).
- * window: keys at positions >= context - window only (0: no window). Returns 0, or -1 if a
- * scratch allocation failed. */
+ * window: keys at positions >= context - window only (0: no window). Scratch: team.h. The team
+ * form of NAME (called by every thread of a running team); NAME opens the team and allocates
+ * the scratch, and returns 0, or -1 if an allocation failed. */
 #define DEFINE_DECODE_ATTENTION(NAME, T, SUFFIX)                                                    \
+    void NAME##_team(const T *q, const T *k_cache, const T *v_cache, const int64_t *tables, long max_blocks, \
+                     const int64_t *context, const int64_t *rows, T *out, long S, long H, long KVH, long D, \
+                     long block_size, long window, float scale, long *first, float *partial, float *prob_base, \
+                     long prob_stride) {                                                            \
+        long G = H / KVH, stride = G * (D + 2);                                                     \
+        _Pragma("omp single")                                                                       \
+        count_parts(context, S, window, first);                                                     \
+        long P = first[S];                                                                          \
+        float *prob = prob_base + omp_get_thread_num() * prob_stride;                               \
+        _Pragma("omp for schedule(dynamic, 1)")                                                     \
+        for (long task = 0; task < P * KVH; task++) {                                               \
+            long p = task / KVH, g = task % KVH;                                                    \
+            long s = part_sequence(first, S, p);                                                    \
+            long start = window_start(context[s], window) + (p - first[s]) * DECODE_PART;           \
+            long len = context[s] - start < DECODE_PART ? context[s] - start : DECODE_PART;         \
+            const int64_t *table = tables + s * max_blocks;                                         \
+            float *qf = prob + G * DECODE_PART, *rec = partial + task * stride;                     \
+            widen_##SUFFIX(qf, q + (rows[s] * H + g * G) * D, G * D);                               \
+            for (long i = 0; i < len; i++) {                                                        \
+                const T *k = k_cache + cache_row(table, start + i, block_size, KVH, g) * D;         \
+                for (long h = 0; h < G; h++) prob[h * DECODE_PART + i] = dot_##SUFFIX(qf + h * D, k, D) * scale; \
+            }                                                                                       \
+            for (long h = 0; h < G; h++)                                                            \
+                rec[G * D + h] = exp_shifted(prob + h * DECODE_PART, len, rec + G * D + G + h);     \
+            memset(rec, 0, sizeof(float) * (size_t)(G * D));                                       \
+            for (long i = 0; i < len; i++) {                                                        \
+                const T *v = v_cache + cache_row(table, start + i, block_size, KVH, g) * D;         \
+                for (long h = 0; h < G; h++) axpy_##SUFFIX(rec + h * D, prob[h * DECODE_PART + i], v, D); \
+            }                                                                                       \
+        }                                                                                           \
+        /* the implicit barrier: every part is done */                                              \
+        _Pragma("omp for schedule(static)")                                                         \
+        for (long task = 0; task < S * KVH; task++) {                                               \
+            long s = task / KVH, g = task % KVH;                                                    \
+            float *of = prob; /* G * D floats: the merged output in float32 */                     \
+            merge_parts(partial, first[s], first[s + 1], KVH, g, G, D, of);                         \
+            store_##SUFFIX(out + (rows[s] * H + g * G) * D, of, G * D);                             \
+        }                                                                                           \
+    }                                                                                               \
+                                                                                                    \
     int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *tables, long max_blocks, \
              const int64_t *context, const int64_t *rows, T *out, long S, long H, long KVH, long D,  \
              long block_size, long window, float scale) {                                          \
-        long G = H / KVH, stride = G * (D + 2);                                                     \
+        long G = H / KVH, P = count_parts(context, S, window, NULL);                                \
+        long threads = omp_get_max_threads(), prob_stride = tandem_decode_attention_prob_floats(G, D); \
         long *first = malloc(sizeof(long) * (size_t)(S + 1));                                       \
-        if (first == NULL) return -1;                                                               \
-        first[0] = 0;                                                                               \
-        for (long s = 0; s < S; s++) {                                                              \
-            long len = context[s] - window_start(context[s], window);                               \
-            first[s + 1] = first[s] + (len + DECODE_PART - 1) / DECODE_PART;                        \
+        float *partial = malloc(sizeof(float) * (size_t)(P * KVH * G * (D + 2) + 1));               \
+        float *prob = malloc(sizeof(float) * (size_t)(threads * prob_stride));                      \
+        int failed = first == NULL || partial == NULL || prob == NULL;                              \
+        if (!failed) {                                                                              \
+            _Pragma("omp parallel")                                                                 \
+            NAME##_team(q, k_cache, v_cache, tables, max_blocks, context, rows, out, S, H, KVH, D, block_size, \
+                        window, scale, first, partial, prob, prob_stride);                          \
         }                                                                                           \
-        long P = first[S];                                                                          \
-        float *partial = malloc(sizeof(float) * (size_t)(P * KVH * stride + 1));                    \
-        if (partial == NULL) {                                                                      \
-            free(first);                                                                            \
-            return -1;                                                                              \
-        }                                                                                           \
-        int failed = 0;                                                                             \
-        _Pragma("omp parallel reduction(| : failed)") {                                             \
-            /* this thread's scratch: scores [G, DECODE_PART], widened query heads [G, D] */        \
-            float *prob = malloc(sizeof(float) * (size_t)(G * (DECODE_PART + D) + 8));              \
-            failed |= prob == NULL;                                                                 \
-            _Pragma("omp for schedule(dynamic, 1)")                                                 \
-            for (long task = 0; task < P * KVH; task++) {                                           \
-                if (prob == NULL) continue;                                                         \
-                long p = task / KVH, g = task % KVH;                                                \
-                long s = part_sequence(first, S, p);                                                \
-                long start = window_start(context[s], window) + (p - first[s]) * DECODE_PART;       \
-                long len = context[s] - start < DECODE_PART ? context[s] - start : DECODE_PART;     \
-                const int64_t *table = tables + s * max_blocks;                                     \
-                float *qf = prob + G * DECODE_PART, *rec = partial + task * stride;                 \
-                widen_##SUFFIX(qf, q + (rows[s] * H + g * G) * D, G * D);                           \
-                for (long i = 0; i < len; i++) {                                                    \
-                    const T *k = k_cache + cache_row(table, start + i, block_size, KVH, g) * D;     \
-                    for (long h = 0; h < G; h++) prob[h * DECODE_PART + i] = dot_##SUFFIX(qf + h * D, k, D) * scale; \
-                }                                                                                   \
-                for (long h = 0; h < G; h++)                                                        \
-                    rec[G * D + h] = exp_shifted(prob + h * DECODE_PART, len, rec + G * D + G + h); \
-                memset(rec, 0, sizeof(float) * (size_t)(G * D));                                   \
-                for (long i = 0; i < len; i++) {                                                    \
-                    const T *v = v_cache + cache_row(table, start + i, block_size, KVH, g) * D;     \
-                    for (long h = 0; h < G; h++) axpy_##SUFFIX(rec + h * D, prob[h * DECODE_PART + i], v, D); \
-                }                                                                                   \
-            }                                                                                       \
-            /* the implicit barrier: every part is done */                                          \
-            _Pragma("omp for schedule(static)")                                                     \
-            for (long task = 0; task < S * KVH; task++) {                                           \
-                if (prob == NULL) continue;                                                         \
-                long s = task / KVH, g = task % KVH;                                                \
-                float *of = prob; /* G * D floats: the merged output in float32 */                 \
-                merge_parts(partial, first[s], first[s + 1], KVH, g, G, D, of);                     \
-                store_##SUFFIX(out + (rows[s] * H + g * G) * D, of, G * D);                         \
-            }                                                                                       \
-            free(prob);                                                                             \
-        }                                                                                           \
+        free(prob);                                                                                 \
         free(partial);                                                                              \
         free(first);                                                                                \
         return failed ? -1 : 0;                                                                     \
@@ -201,3 +224,11 @@ static void merge_parts(const float *partial, long p0, long p1, long KVH, long g
 
 DEFINE_DECODE_ATTENTION(tandem_decode_attention, float, f32)
 DEFINE_DECODE_ATTENTION(tandem_decode_attention_bf16, uint16_t, bf16)
+
+void tandem_team_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
+                                  long max_blocks, const int64_t *context, const int64_t *rows, float *out, long S,
+                                  long H, long KVH, long D, long block_size, long window, float scale, long *first,
+                                  float *partial, float *prob, long prob_stride) {
+    tandem_decode_attention_team(q, k_cache, v_cache, tables, max_blocks, context, rows, out, S, H, KVH, D,
+                                 block_size, window, scale, first, partial, prob, prob_stride);
+}

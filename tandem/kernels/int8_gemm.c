@@ -21,6 +21,7 @@
 #include <stdint.h>
 
 #include "simd.h"
+#include "team.h"
 
 #define TILE_N 64
 /* The NR weight rows of a block are contiguous; each step over k consumes NR * 8 bytes of them,
@@ -61,12 +62,14 @@ typedef struct {
             for (int j = 0; j < NR && n + j < n1; j++) y[(m0 + i) * N + n + j] = out[i * NR + j] * scale[n + j]; \
     }
 
-/* Tiles of TILE_N weight rows across the threads; in each, blocks of 4 input rows (4x2), then the
- * 1-3 rows left (1x4, 2x4, 3x4), with the blocks PREFIX##block_MRxNR. */
-#define RUN_TILES(PREFIX, in, w, scale, y, M, N)                                                    \
+/* Tiles of TILE_N weight rows across the threads of a running team (team.h); in each, blocks of
+ * 4 input rows (4x2), then the 1-3 rows left (1x4, 2x4, 3x4), with the blocks PREFIX##block_MRxNR.
+ * RUN_TILES opens the team. */
+#define RUN_TILES(PREFIX, in, w, scale, y, M, N) _Pragma("omp parallel") TEAM_TILES(PREFIX, in, w, scale, y, M, N)
+#define TEAM_TILES(PREFIX, in, w, scale, y, M, N)                                                   \
     do {                                                                                            \
         long tiles = (N + TILE_N - 1) / TILE_N;                                                     \
-        _Pragma("omp parallel for schedule(static)")                                                \
+        _Pragma("omp for schedule(static)")                                                         \
         for (long t = 0; t < tiles; t++) {                                                          \
             long n0 = t * TILE_N, n1 = n0 + TILE_N < N ? n0 + TILE_N : N;                           \
             long m = 0;                                                                             \
@@ -175,8 +178,7 @@ void tandem_dequant_i8(const int8_t *w, const float *scale, float *out, long n0,
 /* x [M, K] float -> xq [M, K] int8 and xs [M, K / QBLOCK] float (K a multiple of QBLOCK). */
 static void quantize_rows_i8(const float *x, int8_t *xq, float *xs, long M, long K) {
     long nb = K / QBLOCK;
-    /* A decode step's few rows are quicker to do here than to hand to the threads. */
-#pragma omp parallel for schedule(static) if (M * K >= 16384)
+#pragma omp for schedule(static)
     for (long mb = 0; mb < M * nb; mb++) {
         const float *src = x + mb * QBLOCK;
         int8_t *dst = xq + mb * QBLOCK;
@@ -296,8 +298,17 @@ DEFINE_QBLOCK(3, 4)
 DEFINE_QBLOCK(4, 2)
 
 /* K must be a multiple of QBLOCK; xq (M * K bytes) and xs (M * K / QBLOCK floats) are scratch. */
+void tandem_team_gemm_w8a8(const float *x, const int8_t *w, const float *scale, float *y, long M, long N, long K,
+                           int8_t *xq, float *xs) {
+    quantize_rows_i8(x, xq, xs, M, K);
+    Inputs in = {NULL, xq, xs, K};
+    TEAM_TILES(q, &in, w, scale, y, M, N);
+}
+
 void tandem_gemm_w8a8(const float *x, const int8_t *w, const float *scale, float *y, long M, long N, long K,
                       int8_t *xq, float *xs) {
+    /* A decode step's few rows are quicker to round here than to hand to the threads. */
+#pragma omp parallel if (M * K >= 16384)
     quantize_rows_i8(x, xq, xs, M, K);
     Inputs in = {NULL, xq, xs, K};
     RUN_TILES(q, &in, w, scale, y, M, N);

@@ -34,7 +34,8 @@ from tandem.paths import default_cache_dir
 log = logging.getLogger("tandem.kernels")
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("int8_gemm.c", "int4_gemm.c", "cpu_ops.c", "decode_attention.c", "bf16_ops.c", "threads.c")
+    for name in ("int8_gemm.c", "int4_gemm.c", "cpu_ops.c", "decode_attention.c", "bf16_ops.c", "decode_layers.c",
+                 "threads.c")
 )
 LIBRARY = "tandem_kernels"
 BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
@@ -128,6 +129,8 @@ _SIGNATURES = {
                              _PTR], None),
     "tandem_decode_attention": ([_PTR, _PTR, _PTR, _PTR, _SIZE, _PTR, _PTR, _PTR, _SIZE, _SIZE, _SIZE, _SIZE, _SIZE,
                                  _SIZE, _F32], _INT),
+    "tandem_decode_layers_scratch": ([_PTR, _SIZE, _PTR, _SIZE], _SIZE),
+    "tandem_decode_layers": ([_PTR, _PTR, _PTR], None),
 }
 # The kernels with a bfloat16 form: the same arguments, "_bf16" appended to the name.
 _BF16_KERNELS = ("tandem_rms_norm", "tandem_act_mul", "tandem_qkv_to_cache", "tandem_decode_attention")
@@ -384,3 +387,15 @@ class Kernels:
         )
         if status != 0:
             raise MemoryError("decode attention: scratch allocation failed")
+
+    def decode_layers(self, model: ctypes.Structure, step: ctypes.Structure) -> None:
+        """Every decoder layer of a decode step in one call (``decode_layers.c``; the structures
+        and their meaning: ``tandem.kernels.decode_layers``); ``step.x`` is overwritten with the
+        layers' output. The scratch is this thread's, kept between calls."""
+        lib = self._lib()
+        threads = torch.get_num_threads()
+        floats = lib.tandem_decode_layers_scratch(ctypes.byref(model), step.T, step.context, threads)
+        buf = getattr(_thread, "decode_layers", None)
+        if buf is None or buf.numel() < floats + 16:
+            buf = _thread.decode_layers = torch.empty(floats + 16, dtype=torch.float32)
+        lib.tandem_decode_layers(ctypes.byref(model), ctypes.byref(step), _align64(buf.data_ptr()))

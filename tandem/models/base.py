@@ -22,6 +22,9 @@ class CausalLM(nn.Module):
         self.model.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.model.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, unit_offset=bool(spec.norm_unit_offset), ops=ops)
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim, max_positions)
+        self.decode_layers = None
+        """``tandem.models.decode_layers.DecodeLayers`` when a decode step's layers run in one C
+        call (set by ``tandem.build.load_model`` for w8a8 models), else None."""
         if spec.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -38,6 +41,9 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``input_ids`` [num_tokens] -> final hidden states [num_tokens, hidden]."""
         x = self.embed(input_ids)
+        fused = self.decode_layers
+        if fused is not None and fused.takes(ctx, x):
+            return self.model.norm(fused(x, ctx))
         token = BF16_ROWS.set(ctx.bf16_rows)
         try:
             for layer in self.model.layers:

@@ -67,6 +67,9 @@ class OpTable:
     int4_kernels: native.Kernels | None
     """The same for int4 matmuls."""
     act_mul_kernels: native.Kernels | None
+    decode_layers: native.Kernels | None = None
+    """The C kernels a w8a8 model's decode steps run all their layers on in one call
+    (``tandem.models.decode_layers``); None: op by op."""
     w8a8_prompt_bf16_tokens: int | None = None
     """w8a8 layers: the prompt positions of prompts of at least this many tokens multiply through
     oneDNN's bf16 matmul (the int8 weights held exactly as bf16 integers); None: every row
@@ -144,6 +147,17 @@ def select_ops(
         choices["w8a8_prompt_matmul"] = Choice(
             "onednn-bf16", f"w8a8 layers: the prompt positions of prompts of {W8A8_PROMPT_BF16_TOKENS}+ tokens "
                            "through bf16 matmuls of the exact int8 weights (float32 activations rounded to bf16)")
+    # a w8a8 model's decode steps: every layer in one C call, from the ops chosen above
+    parts = ("rms_norm", "act_mul", "qkv_rope_cache", "decode_attention", "int8_matmul")
+    if not cpu_lib or dtype != torch.float32:
+        why_layers = why_not or "the fused decode layers take float32 activations"
+    else:
+        why_layers = next((f"{op} runs in torch" for op in parts if not use[op]), "")
+    pick("decode_layers", not why_layers, why_layers, "per-op")
+    if use["decode_layers"]:
+        choices["decode_layers"] = Choice(
+            kernel, "w8a8 models: a decode step's layers in one C call (one OpenMP region); other weight "
+                    "formats and steps with prompt tokens op by op")
     unknown = disable - set(choices)
     if unknown:
         raise ValueError(f"disable: unknown ops {', '.join(sorted(unknown))}; known: {', '.join(choices)}")
@@ -158,6 +172,7 @@ def select_ops(
         int8_kernels=lib if use["int8_matmul"] else None,
         int4_kernels=lib if use["int4_matmul"] else None,
         act_mul_kernels=lib if use["act_mul"] else None,
+        decode_layers=lib if use["decode_layers"] else None,
         w8a8_prompt_bf16_tokens=W8A8_PROMPT_BF16_TOKENS if use["w8a8_prompt_matmul"] else None,
         choices=choices,
     )

@@ -1,0 +1,37 @@
+/* The kernels' bodies as work shared by a team of OpenMP threads that is already running.
+ *
+ * Each function divides its work with orphaned `omp for` loops (each ends with a barrier, so
+ * its output is complete when it returns) and must be called by every thread of the team. Called
+ * outside a parallel region, it runs on the calling thread alone. The public kernels
+ * (tandem_rms_norm, tandem_gemm_w8a8, ...) open a region and call these; the fused decode layers
+ * (decode_layers.c) call them one after another inside a single region, so a decode step wakes
+ * the threads once instead of a few hundred times. Same code either way: a row's result is the
+ * same bits whichever entry point computed it.
+ */
+#ifndef TANDEM_TEAM_H
+#define TANDEM_TEAM_H
+
+#include <stdint.h>
+
+/* Positions per part of a sequence's context in the decode attention (decode_attention.c). */
+#define DECODE_PART 128
+
+void tandem_team_rms_norm(const float *x, const float *w, float *out, long rows, long D, float eps, float offset);
+void tandem_team_act_mul(const float *gate_up, float *out, long rows, long I, int kind);
+void tandem_team_qkv_to_cache(const float *qkv, long T, long H, long KVH, long D, const float *q_w,
+                              const float *k_w, float eps, float offset, const float *cos, const float *sin,
+                              const int64_t *slots, float *q_out, float *k_cache, float *v_cache);
+void tandem_team_gemm_w8a8(const float *x, const int8_t *w, const float *scale, float *y, long M, long N, long K,
+                           int8_t *xq, float *xs);
+
+/* Scratch of the float32 decode attention: first [S + 1] longs, partial [parts * KVH * G * (D + 2)]
+ * floats (parts: the sum over sequences of their parts, see decode_attention_parts), and per
+ * thread prob_stride floats at prob + thread * prob_stride (decode_attention_prob_floats). */
+long tandem_decode_attention_parts(const int64_t *context, long S, long window);
+long tandem_decode_attention_prob_floats(long G, long D);
+void tandem_team_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
+                                  long max_blocks, const int64_t *context, const int64_t *rows, float *out, long S,
+                                  long H, long KVH, long D, long block_size, long window, float scale, long *first,
+                                  float *partial, float *prob, long prob_stride);
+
+#endif
