@@ -26,10 +26,9 @@ from tandem.models.gemma3 import Gemma3DecoderLayer
 from tandem.models.layers import RMSNorm, RotaryEmbedding
 from tandem.models.llama import LlamaDecoderLayer
 from tandem.models.quant import QBLOCK, Int8Linear
+from tandem.ops.dispatch import NATIVE_ACTIVATIONS
 
 log = logging.getLogger("tandem.models")
-
-_NATIVE_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
 class DecodeLayers:
@@ -53,7 +52,7 @@ class DecodeLayers:
         spec = model.spec
         if model.ops.decode_layers is None:
             return model.ops.choices["decode_layers"].reason
-        if _NATIVE_ACTIVATIONS.get(spec.hidden_act) is None:
+        if NATIVE_ACTIVATIONS.get(spec.hidden_act) is None:
             return f"no C form of the activation {spec.hidden_act}"
         if spec.num_heads % spec.num_kv_heads:
             return "heads not a multiple of the KV heads"
@@ -121,7 +120,7 @@ class DecodeLayers:
         qn = first.self_attn.q_norm
         self._struct = abi.DecodeModel(
             len(layers), spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size,
-            ACTIVATIONS[_NATIVE_ACTIVATIONS[spec.hidden_act]], int(self.sandwich),
+            ACTIVATIONS[NATIVE_ACTIVATIONS[spec.hidden_act]], int(self.sandwich),
             first.input_layernorm.eps, first.input_layernorm.offset,
             0.0 if qn is None else qn.eps, 0.0 if qn is None else qn.offset, first.self_attn.scale,
             arr,

@@ -24,7 +24,7 @@ from tandem.ops.modes import KERNEL_MODES
 log = logging.getLogger("tandem.ops")
 
 # The activations the fused act·mul kernel computes, by the name the kernel gives them.
-_NATIVE_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+NATIVE_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 # The activation dtypes the fused kernels take (rms_norm, act_mul, qkv_rope_cache,
 # decode_attention), with what their Choice reason adds.
 _FUSED_DTYPES = {torch.float32: "", torch.bfloat16: " in its bf16 form (bfloat16 in and out, float32 inside)"}
@@ -80,7 +80,7 @@ class OpTable:
         """``act(gate) * up`` for one activation, fused when the kernel computes that activation."""
         if act not in reference.ACTIVATIONS:
             raise ValueError(f"model: unsupported activation {act!r}")
-        kernel_name = _NATIVE_ACTIVATIONS.get(act)
+        kernel_name = NATIVE_ACTIVATIONS.get(act)
         k = self.act_mul_kernels
         if k is not None and kernel_name is not None:
             return lambda gate_up: k.act_mul(gate_up.contiguous(), kernel_name)
