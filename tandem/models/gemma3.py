@@ -33,6 +33,7 @@ class Gemma3ForCausalLM(CausalLM):
     def __init__(self, spec: ModelSpec, max_positions: int, ops: OpTable) -> None:
         super().__init__(spec, max_positions, ops)
         assert spec.rope_local is not None, "gemma3 spec without a local rope"
+        self._embed_scale: dict[torch.dtype, torch.Tensor] = {}  # sqrt(hidden) per dtype, made once
         self.rotary_local = RotaryEmbedding(spec.rope_local, spec.head_dim, max_positions)
         self.model.layers = nn.ModuleList(
             Gemma3DecoderLayer(spec, i, self.rotary_local if spec.is_sliding(i) else self.rotary, ops)
@@ -42,4 +43,7 @@ class Gemma3ForCausalLM(CausalLM):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         # The scale is rounded to the weights' dtype, as the reference implementation does.
-        return x * torch.tensor(self.spec.hidden_size**0.5, dtype=x.dtype)
+        scale = self._embed_scale.get(x.dtype)
+        if scale is None:
+            scale = self._embed_scale[x.dtype] = torch.tensor(self.spec.hidden_size**0.5, dtype=x.dtype)
+        return x * scale
