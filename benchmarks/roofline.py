@@ -46,10 +46,13 @@ def matmul_flops(m: int, k: int, n: int, dtype: torch.dtype, seconds: float = 0.
 
 
 def median_step(llm: LLM, prompts, params, kind: str) -> tuple[float, float]:
-    """Median duration and median non-forward time of the steps of one kind in a generate call."""
+    """Median duration and median non-forward time of the steps of one kind in a generate call
+    that carried every prompt (a decode step of fewer sequences is not a step of this batch)."""
     llm.engine.step_stats.clear()
     llm.generate(prompts, params)
-    steps = [s for s in llm.engine.step_stats if s.kind == kind]
+    steps = [s for s in llm.engine.step_stats if s.kind == kind and s.num_seqs == len(prompts)]
+    if not steps:
+        raise SystemExit(f"no {kind} step carried all {len(prompts)} sequences (KV cache too small?)")
     steps = steps[len(steps) // 4:] or steps  # skip the ramp
     return statistics.median(s.duration for s in steps), statistics.median(s.duration - s.forward_seconds
                                                                           for s in steps)
@@ -70,8 +73,13 @@ def main() -> None:
 
     started = time.perf_counter()
     # no prefix cache: each chunk size prefills the same prompt, which must be computed every time
-    llm = LLM(dtype=args.dtype, quantization=args.quantization, max_num_seqs=64, max_num_batched_tokens=4096,
-              max_model_len=2048, enable_prefix_caching=False)
+    batches = [int(x) for x in args.batches.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    # room for the largest batch at the longest context, so its steps carry every sequence
+    kv_tokens = max(batches) * (max(contexts) + args.decode_steps + 16) + 4096
+    llm = LLM(dtype=args.dtype, quantization=args.quantization, max_num_seqs=max(64, max(batches)),
+              max_num_batched_tokens=4096, max_model_len=2048, enable_prefix_caching=False,
+              num_kv_blocks=-(-kv_tokens // 16), block_size=16)
     load_s = time.perf_counter() - started
     spec, dtype = llm.loaded.spec, llm.loaded.dtype
     dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float32"
@@ -100,8 +108,8 @@ def main() -> None:
     cost = llm.loaded.cost()
 
     decode = []
-    for ctx in (int(c) for c in args.contexts.split(",")):
-        for b in (int(x) for x in args.batches.split(",")):
+    for ctx in contexts:
+        for b in batches:
             prompts = [[2] + [100 + (i * 7 + j) % 5000 for j in range(ctx - 1)] for i in range(b)]
             params = SamplingParams(max_tokens=args.decode_steps, temperature=0, ignore_eos=True)
             step, overhead = median_step(llm, prompts, params, "decode")
