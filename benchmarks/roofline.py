@@ -111,7 +111,10 @@ def main() -> None:
     for ctx in contexts:
         for b in batches:
             prompts = [[2] + [100 + (i * 7 + j) % 5000 for j in range(ctx - 1)] for i in range(b)]
-            params = SamplingParams(max_tokens=args.decode_steps, temperature=0, ignore_eos=True)
+            # the first prompts decode while the last are prefilled: enough tokens that every
+            # sequence still decodes for --decode-steps steps once all are in
+            prefill_steps = -(-b * ctx // 4096)
+            params = SamplingParams(max_tokens=args.decode_steps + prefill_steps, temperature=0, ignore_eos=True)
             step, overhead = median_step(llm, prompts, params, "decode")
             flops, nbytes = cost.step([(ctx + args.decode_steps // 2, 1)] * b, b)
             floor = max(nbytes / peaks.bytes_per_s, flops / decode_peaks.flops_per_s)
