@@ -192,3 +192,63 @@ def test_a_stalled_send_aborts_the_request_and_frees_its_blocks(tmp_path):
 
     asyncio.run(scenario())
     assert sent[0]["status"] == 200 and len(sent) == 4
+
+
+def test_a_failed_engine_loop_ends_open_streams_and_the_server(tmp_path):
+    """A bug in the engine loop outside a step (rigged here) must not leave an HTTP server up
+    whose requests wait forever: the open stream ends with an error event and [DONE], and
+    serve() raises with the HTTP thread gone."""
+    from tandem.server.serve import bind, serve
+
+    save_tiny("llama", tmp_path)
+    config = EngineConfig.from_kwargs(model=str(tmp_path), dtype="float32", num_kv_blocks=64, block_size=4)
+    state = build_state(config, ServerConfig(peak_flops=1e11, peak_memory_bandwidth=1e10))
+    engine = state.engine
+    real = engine.has_unfinished_requests
+    steps = {"n": 0}
+
+    def rigged() -> bool:
+        busy = real()
+        if busy:
+            steps["n"] += 1
+            if steps["n"] > 5:  # a few tokens out, then the loop itself fails
+                raise RuntimeError("rigged loop failure")
+        return busy
+
+    engine.has_unfinished_requests = rigged
+    sock = bind("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    lines: list[str] = []
+    after: list[int] = []
+
+    def client() -> None:
+        for _ in range(100):  # until the server listens
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                          json={"prompt": "w1 w2", "max_tokens": 100, "ignore_eos": True, "stream": True}) as r:
+            lines.extend(line for line in r.iter_lines() if line)
+        try:
+            after.append(httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=5,
+                                    json={"prompt": "w1", "max_tokens": 2}).status_code)
+        except httpx.TransportError:
+            after.append(0)  # the server is gone: refused, not waiting
+
+    t = threading.Thread(target=client)
+    t.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="rigged loop failure"):
+            serve(create_app(state), state, sock, "warning")
+    finally:
+        engine.has_unfinished_requests = real
+    t.join(30)
+    assert not t.is_alive() and time.monotonic() - started < 30
+    assert not any(th.name == "tandem-http" and th.is_alive() for th in threading.enumerate())
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    error = json.loads(lines[-2][len("data: "):])["error"]
+    assert error["code"] == "server_shutting_down" and "rigged loop failure" in error["message"]
+    assert after and after[0] in (0, 503)

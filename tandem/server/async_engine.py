@@ -151,12 +151,37 @@ class AsyncEngine:
 
     # --- the loop ------------------------------------------------------------------------------------
     def run(self) -> None:
-        """The engine loop, until ``stop``."""
+        """The engine loop, until ``stop``. Should the loop itself fail (a bug outside a step, which
+        a step's own errors never are), every open request gets ShuttingDown, newcomers are
+        refused, and the error is raised: nothing waits for an engine that is gone."""
         self._running = True
         try:
             self._loop()
+        except BaseException as exc:
+            log.exception("the engine loop failed")
+            self._abandon(ShuttingDown(f"the engine stopped: {type(exc).__name__}: {exc}"))
+            raise
         finally:
             self._running = False
+
+    def _abandon(self, exc: ShuttingDown) -> None:
+        """Refuse newcomers and end every open stream with ``exc``, touching nothing of the engine."""
+        self._closing = exc
+        loop = self.admission.loop
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self.admission.close, exc)
+            except RuntimeError:  # the event loop has closed
+                pass
+        with self._lock:
+            open_ids = list(self._streams)
+            self._inbox.clear()
+        for request_id in open_ids:
+            try:
+                self._push(request_id, exc)
+            except RuntimeError:  # that stream's event loop has closed
+                pass
+            self._close(request_id)
 
     def _loop(self) -> None:
         engine = self.engine

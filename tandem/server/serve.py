@@ -186,8 +186,11 @@ def serve(app, state, sock: socket.socket, log_level: str, on_started: Callable[
     thread = threading.Thread(target=http, name="tandem-http")
     try:
         thread.start()
-        engine.run()  # returns once the server has shut down
-        thread.join()
+        try:
+            engine.run()  # returns once the server has shut down; raises if its loop failed
+        finally:
+            server.should_exit = True  # no engine, no server: the HTTP thread must not serve on
+            thread.join()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
