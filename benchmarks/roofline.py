@@ -32,6 +32,9 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.utilization import measure_peaks
 
+STEP_TOKENS = 4096
+"""The engine's token budget per step here (max_num_batched_tokens)."""
+
 
 def matmul_flops(m: int, k: int, n: int, dtype: torch.dtype, seconds: float = 0.5) -> float:
     a = torch.randn(m, k).to(dtype)
@@ -76,9 +79,9 @@ def main() -> None:
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     # room for the largest batch at the longest context, so its steps carry every sequence
-    kv_tokens = max(batches) * (max(contexts) + args.decode_steps + 16) + 4096
+    kv_tokens = max(batches) * (max(contexts) + args.decode_steps + 16) + STEP_TOKENS
     llm = LLM(dtype=args.dtype, quantization=args.quantization, max_num_seqs=max(64, max(batches)),
-              max_num_batched_tokens=4096, max_model_len=2048, enable_prefix_caching=False,
+              max_num_batched_tokens=STEP_TOKENS, max_model_len=2048, enable_prefix_caching=False,
               num_kv_blocks=-(-kv_tokens // 16), block_size=16)
     load_s = time.perf_counter() - started
     spec, dtype = llm.loaded.spec, llm.loaded.dtype
@@ -113,7 +116,7 @@ def main() -> None:
             prompts = [[2] + [100 + (i * 7 + j) % 5000 for j in range(ctx - 1)] for i in range(b)]
             # the first prompts decode while the last are prefilled: enough tokens that every
             # sequence still decodes for --decode-steps steps once all are in
-            prefill_steps = -(-b * ctx // 4096)
+            prefill_steps = -(-b * ctx // STEP_TOKENS)
             params = SamplingParams(max_tokens=args.decode_steps + prefill_steps, temperature=0, ignore_eos=True)
             step, overhead = median_step(llm, prompts, params, "decode")
             flops, nbytes = cost.step([(ctx + args.decode_steps // 2, 1)] * b, b)

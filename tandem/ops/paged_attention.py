@@ -17,7 +17,7 @@ read through the block tables directly, no gathered copy and no mask.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 from typing import Callable
@@ -57,48 +57,38 @@ class AttentionGroup:
     max_start: int = 0  # sequence sits at a position in [min_start + q, max_start + q]
     block_size: int = 16
     sliding_window: int | None = None
-    _starts: list[int] = field(default_factory=list, repr=False)
-    _lens: list[int] = field(default_factory=list, repr=False)
-    _tables: list[list[int]] = field(default_factory=list, repr=False)  # as in block_tables
+    num_keys: int = 1  # key positions of the group's padded grid: its longest context
 
     @cached_property
     def kv_slots(self) -> torch.Tensor:
         """[S, K] cache slot per (sequence, key position); padding -> 0."""
-        tables = torch.tensor(self._tables, dtype=torch.long)
-        kv_pos = torch.arange(self._num_keys)
-        slots = tables[:, kv_pos // self.block_size] * self.block_size + kv_pos % self.block_size
-        return slots.to(self.block_tables.device)
+        kv_pos = self._kv_pos
+        return self.block_tables[:, kv_pos // self.block_size] * self.block_size + kv_pos % self.block_size
 
     @cached_property
     def mask_full(self) -> torch.Tensor:
         """[S, 1, Q, K] bool, True = may attend: causal, within each sequence's context."""
-        return self._masks[0]
+        kv_pos = self._kv_pos[None, None, :]
+        return ((kv_pos <= self._q_pos[:, :, None]) & (kv_pos < self.context_lens[:, None, None]))[:, None]
 
     @cached_property
     def mask_sliding(self) -> torch.Tensor | None:
         """The same with the sliding window applied; None without a window."""
-        return self._masks[1]
-
-    @property
-    def _num_keys(self) -> int:
-        return max(s + n for s, n in zip(self._starts, self._lens))
+        if self.sliding_window is None:
+            return None
+        return self.mask_full & (self._kv_pos > self._q_pos[:, :, None] - self.sliding_window)[:, None]
 
     @cached_property
-    def _masks(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        starts = torch.tensor(self._starts, dtype=torch.long)
-        lens = torch.tensor(self._lens, dtype=torch.long)
-        q_slot = torch.arange(self.valid.shape[1])
-        valid = q_slot[None, :] < lens[:, None]
-        # A padding query sits at position 0 so it still sees one key and softmax stays finite.
-        q_pos = torch.where(valid, starts[:, None] + q_slot[None, :], 0)  # [S, Q]
-        kv_pos = torch.arange(self._num_keys)
-        context = (starts + lens)[:, None, None]
-        full = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < context)
-        device = self.block_tables.device
-        sliding = None
-        if self.sliding_window is not None:
-            sliding = (full & (kv_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window))[:, None].to(device)
-        return full[:, None].to(device), sliding
+    def _kv_pos(self) -> torch.Tensor:
+        return torch.arange(self.num_keys, device=self.block_tables.device)
+
+    @cached_property
+    def _q_pos(self) -> torch.Tensor:
+        """[S, Q] position of each query slot; a padding query sits at position 0 so it still sees
+        one key and softmax stays finite."""
+        starts = self.context_lens - self.valid.sum(1)
+        q_slot = torch.arange(self.valid.shape[1], device=self.valid.device)
+        return torch.where(self.valid, starts[:, None] + q_slot[None, :], 0)
 
 
 @dataclass
@@ -171,13 +161,17 @@ def _group(
 ) -> AttentionGroup:
     starts = [s for s, _, _ in seqs]
     lens = [n for _, n, _ in seqs]
+    ends = [s + n for s, n in zip(starts, lens)]
     num_q = max(lens)
-    num_blocks = -(-max(s + n for s, n in zip(starts, lens)) // block_size)
-    tables = [list(table[:num_blocks]) + [0] * (num_blocks - len(table[:num_blocks])) for _, _, table in seqs]
+    num_blocks = -(-max(ends) // block_size)
+    tables = []
+    for _, _, table in seqs:
+        used = list(table[:num_blocks])
+        tables.append(used + [0] * (num_blocks - len(used)))
     common = dict(block_tables=torch.tensor(tables, dtype=torch.long, device=device),
-                  context_lens=torch.tensor([s + n for s, n in zip(starts, lens)], dtype=torch.long, device=device),
+                  context_lens=torch.tensor(ends, dtype=torch.long, device=device),
                   min_start=min(starts), max_start=max(starts), block_size=block_size,
-                  sliding_window=sliding_window, _starts=starts, _lens=lens, _tables=tables)
+                  sliding_window=sliding_window, num_keys=max(ends))
     if num_q == 1:  # decodes: one query each, no padding
         index = torch.tensor(offsets, dtype=torch.long, device=device)
         return AttentionGroup(token_index=index, valid=torch.ones(len(seqs), 1, dtype=torch.bool, device=device),
