@@ -29,9 +29,10 @@ QUERY_TILE = 64
 """Queries of a prompt group per SDPA call: small enough that the keys a tile skips (past its last
 query, before a sliding window) are most of what a long chunk would otherwise compute. Torch's
 CPU flash kernel computes every (query, key) pair of a call, causal or not; with 64-query tiles
-a 256-token prompt computes 62% of its grid (at 256: all of it). Measured on the Zen 5 (default
-mode, two 256-token prompts in one step): 286 ms at 256, 273 at 128, 267 at 64; one 1024-token
-prompt 695, 685 and 675 ms."""
+a 256-token prompt computes 62% of its grid (at 256: all of it). Measured on the Zen 5
+(``benchmarks/attention_tiles.py``, default mode; docs/results/amd-epyc-zen5/attention-tiles.json):
+two 256-token prompts in one step 283 ms at tile 256, 263 at 128, 269 at 64; one 1024-token
+prompt 657, 639 and 627 ms."""
 
 
 PAD_SLACK = 1.5
