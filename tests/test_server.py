@@ -30,7 +30,10 @@ class Server(ServerProcess):
                          startup_timeout=120)
 
     def stop(self) -> int:
-        return super().stop(timeout=30)[0]
+        code = super().stop(timeout=30)[0]
+        if code != 0:  # shown with the failing test: why it did not exit cleanly
+            print(f"the server exited with {code}; its log ends:\n{self._tail()}")
+        return code
 
 
 @pytest.fixture(scope="module")
