@@ -33,20 +33,15 @@ def random_llama(max_len: int, spec_path: Path, device_name: str = "cuda"):
     """A LoadedModel of the spec's shape (Llama-3.1-8B's by default) in bf16, weights drawn at random."""
     import torch
 
-    from tandem.build import LoadedModel, _instantiate
+    from tandem.build import LoadedModel
+    from tandem.models.registry import instantiate, randomize
     from tandem.models.spec import ModelSpec
     from tandem.ops.dispatch import select_ops
     from tandem.sim import SimTokenizer
 
     spec = ModelSpec.from_hf_config(json.loads(spec_path.read_text()))
     device, dtype = torch.device(device_name), torch.bfloat16
-    model = _instantiate(spec, max_len, device, dtype, select_ops(device, dtype, "auto"))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.fill_(1.0)  # norm scales: keep activations finite
-            else:
-                p.normal_(0.0, 0.02)
+    model = randomize(instantiate(spec, max_len, device, dtype, select_ops(device, dtype, "auto")))
     model.eval()
     # prompts are t<id> words: the simulator's tokenizer reads them back as exactly those ids
     return LoadedModel(model, SimTokenizer(spec.vocab_size), spec, "llama-3.1-8b (random weights)", max_len,

@@ -17,7 +17,7 @@ import math
 import statistics
 from pathlib import Path
 
-from tandem.bench.step_timing import time_steps
+from tandem.runner.step_timing import time_steps
 from tandem.build import load_model, set_threads
 from tandem.config import EngineConfig
 from tandem.core.step import KVLayout

@@ -7,7 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 
@@ -21,16 +21,15 @@ from tandem.kernels.cpu_features import available_cores, cpu_info
 from tandem.models.auto_mode import AutoChoice, choose_quantization
 from tandem.models.base import CausalLM
 from tandem.models.decode_layers import DecodeLayers
-from tandem.models.quant import quantize_model_int8
-from tandem.models.quant_int4 import BYTES_PER_WEIGHT as INT4_BYTES_PER_WEIGHT
-from tandem.models.quant_int4 import quantize_model_int4
-from tandem.models.registry import build_model
+from tandem.models.quantizers import QUANTIZERS, finish
+from tandem.models.registry import instantiate
 from tandem.model_files import model_files
 from tandem.models.spec import ModelSpec
 from tandem.ops.dispatch import OpTable, select_ops
 from tandem.ops.modes import describe_paths
 from tandem.paths import default_cache_dir
 from tandem.runner.grammar import GrammarCompiler
+from tandem.runner.mode_timing import StepTimer
 from tandem.runner.runner import ModelRunner, kv_bytes_per_block
 from tandem.tokenizer import Tokenizer
 from tandem.utilization import ModelCost
@@ -39,22 +38,6 @@ from tandem.weights.loader import load_weights
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 8192  # keeps rope tables and the default KV budget modest on a CPU
-
-
-class Quantizer(NamedTuple):
-    apply: Callable[[CausalLM], CausalLM]
-    """Quantizes a loaded model's weights in place."""
-    bytes_per_weight: float
-    """Bytes one matmul weight takes as stored, scales included where they count (int8's one
-    float32 per row of hundreds of weights is left out; int4's float16 per 32 weights is not)."""
-
-
-# Every --quantization but 'none' (config.QUANTIZATIONS).
-QUANTIZERS = {
-    "int8": Quantizer(quantize_model_int8, 1.0),
-    "w8a8": Quantizer(lambda model: quantize_model_int8(model, w8a8=True), 1.0),
-    "int4": Quantizer(quantize_model_int4, INT4_BYTES_PER_WEIGHT),
-}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -166,7 +149,9 @@ def load_model(config: ModelConfig, ops: OpTable | None = None) -> LoadedModel:
         probe = ops or select_ops(device, torch.float32, config.kernels)
         # accuracy was measured on the default model's file: the same GGUF file, by name, is eligible
         model_file = path.name if path.suffix == ".gguf" else None
-        auto = choose_quantization(spec, device, dtype, probe, model_file, cache_dir or default_cache_dir())
+        native = probe if dtype == torch.float32 else select_ops(device, dtype, config.kernels)
+        timer = StepTimer(spec, dtype, probe, native)
+        auto = choose_quantization(spec, device, dtype, probe, model_file, cache_dir or default_cache_dir(), timer)
         quantization = auto.quantization
         log.info("quantization auto -> %s: %s", quantization, auto.reason)
     if quantization != "none" and device.type != "cpu":
@@ -175,26 +160,12 @@ def load_model(config: ModelConfig, ops: OpTable | None = None) -> LoadedModel:
         dtype = torch.float32  # the int8 kernels take float32 activations
     if ops is None:  # the float32 table auto timed with serves a float32 model as it is
         ops = probe if probe is not None and dtype == torch.float32 else select_ops(device, dtype, config.kernels)
-    model = _instantiate(spec, max_len, device, dtype, ops)
+    model = instantiate(spec, max_len, device, dtype, ops)
     load_weights(model, iter_safetensors(weights_dir))
-    if quantization != "none":
-        QUANTIZERS[quantization].apply(model)
-    model.decode_layers = DecodeLayers.build(model)
-    model.eval()
+    finish(model, quantization)
     return LoadedModel(
         model, tokenizer, spec, config.model or "gemma-3-270m", max_len, device, dtype, quantization, auto
     )
-
-
-def _instantiate(spec: ModelSpec, max_len: int, device: torch.device, dtype: torch.dtype, ops: OpTable) -> CausalLM:
-    # Parameters are created uninitialised (the checkpoint overwrites them); buffers such as
-    # the rope tables are computed on the CPU in float32 and then moved.
-    with torch.device("meta"):
-        model = build_model(spec, max_len, ops)
-    model.to_empty(device=device)
-    model.to(dtype)
-    model.reset_buffers(device)
-    return model
 
 
 def set_threads(threads: int | None) -> None:

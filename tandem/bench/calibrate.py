@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from tandem.bench.speed_check import check_matches, measure, reference, rescaled, speed_check
-from tandem.bench.step_timing import time_steps
+from tandem.runner.step_timing import time_steps
 from tandem.config import EngineConfig
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.step import KVLayout

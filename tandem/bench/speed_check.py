@@ -27,7 +27,7 @@ import statistics
 import time
 from typing import Any
 
-from tandem.bench.step_timing import time_steps
+from tandem.runner.step_timing import blocks_needed, time_steps
 from tandem.core.step import KVLayout
 from tandem.core.step_time import TERMS, StepCost, features
 from tandem.sim.design import Spans, compact
@@ -84,8 +84,7 @@ def measure(loaded, block_size: int, seed: int = 0) -> dict[str, float]:
     probe = {k: v for k, v in PROBE.items() if all(s + n <= loaded.max_model_len for s, n in v)}
     if not probe:
         raise ValueError(f"speed check: the model's context ({loaded.max_model_len}) fits no probe step")
-    blocks = max(sum(-(-(s + n) // block_size) for s, n in spans) for spans in probe.values())
-    layout = KVLayout(blocks, block_size)
+    layout = KVLayout(blocks_needed(KVLayout(1, block_size), list(probe.values())), block_size)
     runner = ModelRunner(loaded.model, layout, loaded.device, loaded.dtype, seed)
     timed = time_steps(runner, layout, list(probe.values()), PROBE_REPEATS)
     return {name: seconds for name, (_, seconds) in zip(probe, timed)}
