@@ -192,16 +192,24 @@ def test_w8a8_with_bf16_prompt_rows_peaks_at_the_faster_of_the_two(kernels, monk
     bf16 torch.mm's (a prompt step's utilization would read over 100% against the kernel's)."""
     from tandem import utilization
 
-    class Slow:  # an integer kernel that never beats bf16
+    class Slow:  # an integer kernel slower than any bf16 matmul
         def gemm_w8a8(self, x, q, s):
             import time
 
             time.sleep(0.2)
 
+    mm, timed = torch.mm, []
+
+    def bf16_mm(a, b):  # a CPU without bf16 arithmetic emulates it slower than the sleep: count the call
+        timed.append(a.dtype)
+        return mm(a[:1], b[:, :1])
+
+    monkeypatch.setattr(torch, "mm", bf16_mm)
     kernel_only = utilization.measure_peaks("cpu", "float32", seconds=0.1, w8a8_kernels=Slow())
+    assert not timed and kernel_only.flops_per_s < 2 * 1024**3 / 0.2 + 1  # only the sleeping kernel was timed
     both = utilization.measure_peaks("cpu", "float32", seconds=0.1, w8a8_kernels=Slow(), bf16_prompts=True)
-    assert kernel_only.flops_per_s < 2 * 1024**3 / 0.2 + 1  # only the sleeping kernel was timed
-    assert both.flops_per_s > kernel_only.flops_per_s  # bf16 torch.mm timed too
+    assert timed and set(timed) == {torch.bfloat16}
+    assert both.flops_per_s > kernel_only.flops_per_s  # the faster of the two counts
 
 
 def _native_bf16() -> bool:
