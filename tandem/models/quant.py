@@ -11,10 +11,10 @@ the nearest multiple of it (symmetric, per channel). Two modes:
   (prefill, large decode batches), at the cost of the activations' rounding. Where the CPU has
   bf16 arithmetic (``OpTable.w8a8_prompt_bf16_tokens``), the prompt positions of requests with
   prompts of 32+ tokens instead multiply ``bf16(x)`` by the int8 weights held exactly as bf16
-  integers (oneDNN), then the scales: the integer kernel pays a conversion and a float
-  multiply-add per VNNI product, oneDNN's bf16 dot product neither. Which road a row takes
-  depends on its request and position only (decode rows and short prompts: always the integer
-  kernel), so results stay independent of the batch.
+  integers (oneDNN, in calls of a fixed row count: ``bf16_rows_matmul``), then the scales: the
+  integer kernel pays a conversion and a float multiply-add per VNNI product, oneDNN's bf16 dot
+  product neither. Which road a row takes depends on its request and position only (decode rows
+  and short prompts: always the integer kernel), so results stay independent of the batch.
 
 Decode reads every weight once per step, so int8 weights cut the bytes a step must read by 4x
 against float32. Weight-only int8 uses the AVX2 kernel in ``tandem.kernels`` for small batches
@@ -168,6 +168,29 @@ class QuantLinear(nn.Module):
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
+# w8a8's bf16 road multiplies in calls of exactly this many rows. oneDNN chooses its blocking
+# (and so the order of each dot product's sums) by the call's row count: with AMX tiles a row's
+# bits changed with it for most row counts of Gemma 3's shapes (docs/performance.md, Intel Xeon).
+# One row count for every call makes a row's result depend on its own values only. 256 keeps
+# the padding to at most one call and the calls at AMX's full speed (a 256-row call took 1.1x
+# the time of the same rows unpadded, 128-row calls 1.6x; measured on the Xeon).
+BF16_TILE_ROWS = 256
+
+
+def bf16_rows_matmul(x: torch.Tensor, weight: torch.Tensor, tile: int = BF16_TILE_ROWS) -> torch.Tensor:
+    """``x @ weight.T`` (both bfloat16) by oneDNN in calls of exactly ``tile`` rows, the last
+    padded with zeros, so each row's bits are the same whatever else shares the call."""
+    m = x.shape[0]
+    pad = -m % tile
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    out = torch.empty(m + pad, weight.shape[0], dtype=x.dtype, device=x.device)
+    wt = weight.t()
+    for start in range(0, m + pad, tile):
+        torch.mm(x[start:start + tile], wt, out=out[start:start + tile])
+    return out[:m]
+
+
 class Int8Linear(QuantLinear):
     """Drop-in for ``nn.Linear`` with int8 weights; output in the input's dtype. ``w8a8`` also
     rounds the inputs to int8 (see the module docstring)."""
@@ -198,12 +221,11 @@ class Int8Linear(QuantLinear):
     def _bf16_rows(self, x: torch.Tensor) -> torch.Tensor:
         """``bf16(x) @ q.T`` by oneDNN, ``q`` the int8 weights held exactly as bf16 integers
         (|q| <= 127 fits bf16's 8-bit mantissa), each output column then times its float32
-        scale. A row's result depends on its own values only: oneDNN's rows do not depend on how
-        many share the call (tests/test_quant.py)."""
+        scale. A row's result depends on its own values only (``bf16_rows_matmul``)."""
         q, scale = self._buffers["qweight"], self._buffers["scale"]
         if self._qweight_bf16 is None or self._qweight_bf16.device != q.device:
             self._qweight_bf16 = q.to(torch.bfloat16)
-        return F.linear(x.to(torch.bfloat16), self._qweight_bf16) * scale
+        return bf16_rows_matmul(x.to(torch.bfloat16), self._qweight_bf16) * scale
 
     def _split_rows(self, x: torch.Tensor, split: RowSplit) -> torch.Tensor:
         """The rows ``split.bf16`` through ``_bf16_rows``, the others through the w8a8 path."""
