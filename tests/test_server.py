@@ -259,16 +259,21 @@ def test_auth(server):
 
 def test_queue_bound_gives_429(server):
     wait_idle(server)
-    results: list[httpx.Response] = []
+    results: list[tuple[int, str | None, bytes]] = []
     lock = threading.Lock()
+    release = threading.Event()
 
     def fire():
-        # long enough to outlast the whole test's sending (on a quiet machine 400 tokens of the tiny
-        # model could end before the third batch was sent), short enough to finish well inside the
-        # timeout on a busy machine
-        r = post(server, "/v1/completions", {"prompt": "w4 w5", "max_tokens": 1500, "ignore_eos": True}, timeout=180)
-        with lock:
-            results.append(r)
+        # a stream long enough to outlast the whole test's sending; once the 429s are in, the
+        # admitted streams are closed and the server aborts them (no need to wait for their tokens)
+        body = {"prompt": "w4 w5", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=180,
+                          headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+            with lock:
+                results.append((r.status_code, r.headers.get("retry-after"),
+                                r.read() if r.status_code != 200 else b""))
+            if r.status_code == 200:
+                release.wait(180)
 
     def started(n: int) -> list[threading.Thread]:
         threads = [threading.Thread(target=fire) for _ in range(n)]
@@ -284,18 +289,25 @@ def test_queue_bound_gives_429(server):
 
     # fill the batch, then the waiting queue, each before the next arrives: a step may take longer
     # than the gap between two requests on a busy machine, so sending all at once would race it
-    threads = started(3)
-    until("tandem:num_requests_running", 3)
-    threads += started(3)
-    until("tandem:num_requests_waiting", 3)
-    threads += started(3)
+    try:
+        threads = started(3)
+        until("tandem:num_requests_running", 3)
+        threads += started(3)
+        until("tandem:num_requests_waiting", 3)
+        threads += started(3)
+        deadline = time.time() + 60
+        while len(results) < 9 and time.time() < deadline:
+            time.sleep(0.02)
+    finally:
+        release.set()
     for t in threads:
-        t.join(200)
-    codes = sorted(r.status_code for r in results)
+        t.join(60)
+    codes = sorted(code for code, _, _ in results)
     assert codes == [200] * 6 + [429] * 3, codes  # 3 running + 3 waiting fit
-    limited = next(r for r in results if r.status_code == 429)
-    assert int(limited.headers["retry-after"]) >= 1 and limited.json()["error"]["type"] == "rate_limit_error"
+    retry_after, body = next((h, b) for code, h, b in results if code == 429)
+    assert int(retry_after) >= 1 and json.loads(body)["error"]["type"] == "rate_limit_error"
     assert 'tandem:request_rejected_total{model_name="tiny",reason="queue_full"}' in metrics(server)
+    wait_idle(server)  # the closed streams were aborted: nothing left running or waiting
 
 
 def test_metrics_count_what_was_sent(server, client):
