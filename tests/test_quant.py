@@ -15,7 +15,7 @@ import torch
 from tandem.build import load_model
 from tandem.config import ModelConfig
 from tandem.kernels import native
-from tandem.models.quant import Int8Linear, bf16_rows_matmul, int8_matmul, quantize_activations, quantize_rows
+from tandem.models.quant import Int8Linear, TiledBf16Weight, int8_matmul, quantize_activations, quantize_rows
 from quant_helpers import assert_greedy_is_batch_independent, copy_rounded_weights, path_kernels, prefill_logits
 from tiny_models import VOCAB, save_tiny
 
@@ -240,7 +240,7 @@ def test_w8a8_prompt_rows_multiply_in_bf16_and_the_rest_stay_w8a8(use_kernels, b
     assert (split.rest is None) == (not rest)
     if rest:
         assert torch.equal(got[rest], lin(x[rest]))  # w8a8, as alone
-    want = bf16_rows_matmul(x[bf16_rows].to(torch.bfloat16), q.to(torch.bfloat16)).float() * s
+    want = TiledBf16Weight(q.to(torch.bfloat16))(x[bf16_rows].to(torch.bfloat16)).float() * s
     assert torch.equal(got[bf16_rows], want)
     assert torch.equal(lin(x), int8_matmul(x, q, s, w8a8=True, kernels=lin.kernels))  # no forward pass: w8a8
 
@@ -258,11 +258,15 @@ def test_w8a8_bf16_prompt_rows_do_not_depend_on_how_many_share_the_call():
     for k, n in ((640, 1536), (640, 1024), (2048, 640)):
         w = torch.randint(-127, 128, (n, k)).to(torch.bfloat16)
         x = torch.randn(600, k).to(torch.bfloat16)
-        full = bf16_rows_matmul(x, w)
+        tiled = TiledBf16Weight(w)
+        full = tiled(x)
         assert full.shape == (600, n)
         torch.testing.assert_close(full.float(), torch.nn.functional.linear(x, w).float(), rtol=1e-2, atol=1e-2 * full.float().abs().max().item())
         for a, b in ((0, 1), (0, 32), (5, 70), (33, 300), (299, 300), (3, 3 + BF16_TILE_ROWS), (100, 600)):
-            assert torch.equal(bf16_rows_matmul(x[a:b], w), full[a:b]), (k, n, a, b)
+            assert torch.equal(tiled(x[a:b]), full[a:b]), (k, n, a, b)
+        unpacked = TiledBf16Weight(w)
+        unpacked.packed, unpacked.weight = None, w  # torch without oneDNN: the same tiles, repacked per call
+        assert torch.equal(unpacked(x[5:70]), unpacked(x)[5:70])
 
 
 def test_w8a8_with_bf16_prompt_rows_keeps_greedy_outputs_batch_independent(tmp_path, monkeypatch):

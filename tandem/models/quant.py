@@ -11,7 +11,7 @@ the nearest multiple of it (symmetric, per channel). Two modes:
   (prefill, large decode batches), at the cost of the activations' rounding. Where the CPU has
   bf16 arithmetic (``OpTable.w8a8_prompt_bf16_tokens``), the prompt positions of requests with
   prompts of 32+ tokens instead multiply ``bf16(x)`` by the int8 weights held exactly as bf16
-  integers (oneDNN, in calls of a fixed row count: ``bf16_rows_matmul``), then the scales: the
+  integers (oneDNN, in calls of a fixed row count: ``TiledBf16Weight``), then the scales: the
   integer kernel pays a conversion and a float multiply-add per VNNI product, oneDNN's bf16 dot
   product neither. Which road a row takes depends on its request and position only (decode rows
   and short prompts: always the integer kernel), so results stay independent of the batch.
@@ -171,24 +171,51 @@ class QuantLinear(nn.Module):
 # w8a8's bf16 road multiplies in calls of exactly this many rows. oneDNN chooses its blocking
 # (and so the order of each dot product's sums) by the call's row count: with AMX tiles a row's
 # bits changed with it for most row counts of Gemma 3's shapes (docs/performance.md, Intel Xeon).
-# One row count for every call makes a row's result depend on its own values only. 256 keeps
-# the padding to at most one call and the calls at AMX's full speed (a 256-row call took 1.1x
-# the time of the same rows unpadded, 128-row calls 1.6x; measured on the Xeon).
-BF16_TILE_ROWS = 256
+# One row count for every call makes a row's result depend on its own values only. With the
+# weights packed once for that row count, 128-row calls ran the rows of a 256-token chunk as
+# fast as one unpacked 256-row call, and a short chunk costs at most one call (Xeon, AMX).
+BF16_TILE_ROWS = 128
 
 
-def bf16_rows_matmul(x: torch.Tensor, weight: torch.Tensor, tile: int = BF16_TILE_ROWS) -> torch.Tensor:
-    """``x @ weight.T`` (both bfloat16) by oneDNN in calls of exactly ``tile`` rows, the last
-    padded with zeros, so each row's bits are the same whatever else shares the call."""
-    m = x.shape[0]
-    pad = -m % tile
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-    out = torch.empty(m + pad, weight.shape[0], dtype=x.dtype, device=x.device)
-    wt = weight.t()
-    for start in range(0, m + pad, tile):
-        torch.mm(x[start:start + tile], wt, out=out[start:start + tile])
-    return out[:m]
+def _packed(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """``weight`` in oneDNN's own layout for ``rows``-row calls, or None where torch has no
+    oneDNN (or the weight is not on the CPU): then every call repacks it."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+    except (RuntimeError, AttributeError):
+        return None
+
+
+class TiledBf16Weight:
+    """A bf16 weight [N, K] that multiplies bf16 rows in calls of exactly ``tile`` rows (the
+    last padded with zeros), so each row's bits are the same whatever else shares the call."""
+
+    def __init__(self, weight: torch.Tensor, tile: int = BF16_TILE_ROWS) -> None:
+        self.tile = tile
+        self.out_features = weight.shape[0]
+        self.device = weight.device
+        self.packed = _packed(weight, tile)
+        self.weight = weight if self.packed is None else None  # one copy of the weights, not two
+
+    def _call(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return F.linear(x, self.weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` for bf16 ``x`` [M, K] -> bf16 [M, N]."""
+        m, tile = x.shape[0], self.tile
+        pad = -m % tile
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+        if m + pad == tile:
+            return self._call(x)[:m]
+        out = torch.empty(m + pad, self.out_features, dtype=x.dtype, device=x.device)
+        for start in range(0, m + pad, tile):
+            out[start:start + tile] = self._call(x[start:start + tile])
+        return out[:m]
 
 
 class Int8Linear(QuantLinear):
@@ -204,7 +231,7 @@ class Int8Linear(QuantLinear):
         self.kernels = kernels
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
-        self._qweight_bf16: torch.Tensor | None = None  # w8a8's prompt rows, made at first use
+        self._qweight_bf16: TiledBf16Weight | None = None  # w8a8's prompt rows, made at first use
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, w8a8: bool = False, kernels: Kernels | None = None) -> "Int8Linear":
@@ -221,11 +248,11 @@ class Int8Linear(QuantLinear):
     def _bf16_rows(self, x: torch.Tensor) -> torch.Tensor:
         """``bf16(x) @ q.T`` by oneDNN, ``q`` the int8 weights held exactly as bf16 integers
         (|q| <= 127 fits bf16's 8-bit mantissa), each output column then times its float32
-        scale. A row's result depends on its own values only (``bf16_rows_matmul``)."""
+        scale. A row's result depends on its own values only (``TiledBf16Weight``)."""
         q, scale = self._buffers["qweight"], self._buffers["scale"]
         if self._qweight_bf16 is None or self._qweight_bf16.device != q.device:
-            self._qweight_bf16 = q.to(torch.bfloat16)
-        return bf16_rows_matmul(x.to(torch.bfloat16), self._qweight_bf16) * scale
+            self._qweight_bf16 = TiledBf16Weight(q.to(torch.bfloat16))
+        return self._qweight_bf16(x.to(torch.bfloat16)) * scale
 
     def _split_rows(self, x: torch.Tensor, split: RowSplit) -> torch.Tensor:
         """The rows ``split.bf16`` through ``_bf16_rows``, the others through the w8a8 path."""
