@@ -15,7 +15,8 @@ import torch
 from tandem.build import load_model
 from tandem.config import ModelConfig
 from tandem.kernels import native
-from tandem.models.quant import Int8Linear, TiledBf16Weight, int8_matmul, quantize_activations, quantize_rows
+from tandem.models.bf16_rows import TiledBf16Weight
+from tandem.models.quant import Int8Linear, int8_matmul, quantize_activations, quantize_rows
 from quant_helpers import assert_greedy_is_batch_independent, copy_rounded_weights, path_kernels, prefill_logits
 from tiny_models import VOCAB, save_tiny
 
@@ -252,7 +253,7 @@ def test_w8a8_bf16_prompt_rows_do_not_depend_on_how_many_share_the_call():
     on the shapes and row counts where it failed there; on any CPU with bf16 arithmetic."""
     if not _native_bf16():
         pytest.skip("this CPU has no bf16 arithmetic (avx512_bf16 or AMX): the bf16 road is off here")
-    from tandem.models.quant import BF16_TILE_ROWS
+    from tandem.models.bf16_rows import BF16_TILE_ROWS
 
     torch.manual_seed(4)
     for k, n in ((640, 1536), (640, 1024), (2048, 640)):

@@ -38,6 +38,7 @@ from torch import nn
 
 from tandem.kernels.native import Kernels
 from tandem.models.base import CausalLM
+from tandem.models.bf16_rows import TiledBf16Weight
 from tandem.models.context import BF16_ROWS, RowSplit
 
 
@@ -166,56 +167,6 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y if y.dtype == x.dtype else y.to(x.dtype)
-
-
-# w8a8's bf16 road multiplies in calls of exactly this many rows. oneDNN chooses its blocking
-# (and so the order of each dot product's sums) by the call's row count: with AMX tiles a row's
-# bits changed with it for most row counts of Gemma 3's shapes (docs/performance.md, Intel Xeon).
-# One row count for every call makes a row's result depend on its own values only. With the
-# weights packed once for that row count, 128-row calls ran the rows of a 256-token chunk as
-# fast as one unpacked 256-row call, and a short chunk costs at most one call (Xeon, AMX).
-BF16_TILE_ROWS = 128
-
-
-def _packed(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
-    """``weight`` in oneDNN's own layout for ``rows``-row calls, or None where torch has no
-    oneDNN (or the weight is not on the CPU): then every call repacks it."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-    except (RuntimeError, AttributeError):
-        return None
-
-
-class TiledBf16Weight:
-    """A bf16 weight [N, K] that multiplies bf16 rows in calls of exactly ``tile`` rows (the
-    last padded with zeros), so each row's bits are the same whatever else shares the call."""
-
-    def __init__(self, weight: torch.Tensor, tile: int = BF16_TILE_ROWS) -> None:
-        self.tile = tile
-        self.out_features = weight.shape[0]
-        self.device = weight.device
-        self.packed = _packed(weight, tile)
-        self.weight = weight if self.packed is None else None  # one copy of the weights, not two
-
-    def _call(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-        return F.linear(x, self.weight)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ weight.T`` for bf16 ``x`` [M, K] -> bf16 [M, N]."""
-        m, tile = x.shape[0], self.tile
-        pad = -m % tile
-        if pad:
-            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-        if m + pad == tile:
-            return self._call(x)[:m]
-        out = torch.empty(m + pad, self.out_features, dtype=x.dtype, device=x.device)
-        for start in range(0, m + pad, tile):
-            out[start:start + tile] = self._call(x[start:start + tile])
-        return out[:m]
 
 
 class Int8Linear(QuantLinear):
