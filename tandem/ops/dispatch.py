@@ -18,6 +18,7 @@ import torch
 
 from tandem.kernels import native
 from tandem.kernels.cpu_features import cpu_info
+from tandem.models.bf16_rows import BF16_TILE_ROWS
 from tandem.ops import reference
 from tandem.ops.modes import KERNEL_MODES
 
@@ -146,7 +147,8 @@ def select_ops(
     if use["w8a8_prompt_matmul"]:
         choices["w8a8_prompt_matmul"] = Choice(
             "onednn-bf16", f"w8a8 layers: the prompt positions of prompts of {W8A8_PROMPT_BF16_TOKENS}+ tokens "
-                           "through bf16 matmuls of the exact int8 weights (float32 activations rounded to bf16)")
+                           "through bf16 matmuls of the exact int8 weights (float32 activations rounded to bf16), "
+                           f"in calls of {BF16_TILE_ROWS} rows with the weights packed once")
     # a w8a8 model's decode steps: every layer in one C call, from the ops chosen above
     parts = ("rms_norm", "act_mul", "qkv_rope_cache", "decode_attention", "int8_matmul")
     if not cpu_lib or dtype != torch.float32:
