@@ -16,6 +16,7 @@ from tandem.build import load_model
 from tandem.config import ModelConfig
 from tandem.kernels import native
 from tandem.models.bf16_rows import TiledBf16Weight
+from tandem.ops.dispatch import BF16_TILE_ROWS
 from tandem.models.quant import Int8Linear, int8_matmul, quantize_activations, quantize_rows
 from quant_helpers import assert_greedy_is_batch_independent, copy_rounded_weights, path_kernels, prefill_logits
 from tiny_models import VOCAB, save_tiny
@@ -253,8 +254,6 @@ def test_w8a8_bf16_prompt_rows_do_not_depend_on_how_many_share_the_call():
     on the shapes and row counts where it failed there; on any CPU with bf16 arithmetic."""
     if not _native_bf16():
         pytest.skip("this CPU has no bf16 arithmetic (avx512_bf16 or AMX): the bf16 road is off here")
-    from tandem.models.bf16_rows import BF16_TILE_ROWS
-
     torch.manual_seed(4)
     for k, n in ((640, 1536), (640, 1024), (2048, 640)):
         w = torch.randint(-127, 128, (n, k)).to(torch.bfloat16)
@@ -265,8 +264,7 @@ def test_w8a8_bf16_prompt_rows_do_not_depend_on_how_many_share_the_call():
         torch.testing.assert_close(full.float(), torch.nn.functional.linear(x, w).float(), rtol=1e-2, atol=1e-2 * full.float().abs().max().item())
         for a, b in ((0, 1), (0, 32), (5, 70), (33, 300), (299, 300), (3, 3 + BF16_TILE_ROWS), (100, 600)):
             assert torch.equal(tiled(x[a:b]), full[a:b]), (k, n, a, b)
-        unpacked = TiledBf16Weight(w)
-        unpacked.packed, unpacked.weight = None, w  # torch without oneDNN: the same tiles, repacked per call
+        unpacked = TiledBf16Weight(w, pack=False)  # as torch without oneDNN: the same tiles, repacked per call
         assert torch.equal(unpacked(x[5:70]), unpacked(x)[5:70])
 
 

@@ -3,7 +3,9 @@
 oneDNN chooses its blocking, and so the order of each dot product's sums, by the row count of the
 call; on AMX a row's bits changed with it (docs/performance.md, Intel Xeon). Calls of one row
 count, padded with zeros, make a row's result depend on its own values only, which keeps w8a8's
-prompt rows independent of the batch they share (``tandem.models.quant``).
+prompt rows independent of the batch they share (``tandem.models.quant``). With the weights packed
+once in oneDNN's layout for that count, 128-row calls ran the rows of a 256-token chunk as fast as
+one unpacked 256-row call, and a short chunk costs one call (Xeon, AMX).
 """
 
 from __future__ import annotations
@@ -11,14 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# w8a8's bf16 road multiplies in calls of exactly this many rows. oneDNN chooses its blocking
-# (and so the order of each dot product's sums) by the call's row count: with AMX tiles a row's
-# bits changed with it for most row counts of Gemma 3's shapes (docs/performance.md, Intel Xeon).
-# One row count for every call makes a row's result depend on its own values only. With the
-# weights packed once for that row count, 128-row calls ran the rows of a 256-token chunk as
-# fast as one unpacked 256-row call, and a short chunk costs at most one call (Xeon, AMX).
-BF16_TILE_ROWS = 128
-
+from tandem.ops.dispatch import BF16_TILE_ROWS
 
 def _packed(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
     """``weight`` in oneDNN's own layout for ``rows``-row calls, or None where torch has no
@@ -35,11 +30,11 @@ class TiledBf16Weight:
     """A bf16 weight [N, K] that multiplies bf16 rows in calls of exactly ``tile`` rows (the
     last padded with zeros), so each row's bits are the same whatever else shares the call."""
 
-    def __init__(self, weight: torch.Tensor, tile: int = BF16_TILE_ROWS) -> None:
+    def __init__(self, weight: torch.Tensor, tile: int = BF16_TILE_ROWS, pack: bool = True) -> None:
         self.tile = tile
         self.out_features = weight.shape[0]
         self.device = weight.device
-        self.packed = _packed(weight, tile)
+        self.packed = _packed(weight, tile) if pack else None
         self.weight = weight if self.packed is None else None  # one copy of the weights, not two
 
     def _call(self, x: torch.Tensor) -> torch.Tensor:

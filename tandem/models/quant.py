@@ -182,7 +182,7 @@ class Int8Linear(QuantLinear):
         self.kernels = kernels
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
-        self._qweight_bf16: TiledBf16Weight | None = None  # w8a8's prompt rows, made at first use
+        self._bf16_weight: TiledBf16Weight | None = None  # w8a8's prompt rows, made at first use
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, w8a8: bool = False, kernels: Kernels | None = None) -> "Int8Linear":
@@ -201,9 +201,9 @@ class Int8Linear(QuantLinear):
         (|q| <= 127 fits bf16's 8-bit mantissa), each output column then times its float32
         scale. A row's result depends on its own values only (``TiledBf16Weight``)."""
         q, scale = self._buffers["qweight"], self._buffers["scale"]
-        if self._qweight_bf16 is None or self._qweight_bf16.device != q.device:
-            self._qweight_bf16 = TiledBf16Weight(q.to(torch.bfloat16))
-        return self._qweight_bf16(x.to(torch.bfloat16)) * scale
+        if self._bf16_weight is None or self._bf16_weight.device != q.device:
+            self._bf16_weight = TiledBf16Weight(q.to(torch.bfloat16))
+        return self._bf16_weight(x.to(torch.bfloat16)) * scale
 
     def _split_rows(self, x: torch.Tensor, split: RowSplit) -> torch.Tensor:
         """The rows ``split.bf16`` through ``_bf16_rows``, the others through the w8a8 path."""

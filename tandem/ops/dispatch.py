@@ -18,7 +18,6 @@ import torch
 
 from tandem.kernels import native
 from tandem.kernels.cpu_features import cpu_info
-from tandem.models.bf16_rows import BF16_TILE_ROWS
 from tandem.ops import reference
 from tandem.ops.modes import KERNEL_MODES
 
@@ -36,6 +35,10 @@ _FUSED_DTYPES = {torch.float32: "", torch.bfloat16: " in its bf16 form (bfloat16
 # faster arithmetic saves. Decided per request (its prompt length), so a row's road never
 # depends on its step mates or on how its prompt was cut into chunks.
 W8A8_PROMPT_BF16_TOKENS = 32
+
+# The bf16 road multiplies in calls of exactly this many rows, the weights packed once for it
+# (``tandem.models.bf16_rows``): oneDNN's row results depend on the call's row count on AMX.
+BF16_TILE_ROWS = 128
 
 
 @dataclass(frozen=True)
