@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -24,6 +25,7 @@ from test_server import Server, metric, metrics, wait_idle
 from tiny_models import save_tiny
 
 PEAKS = ("--peak-flops", "1e11", "--peak-memory-bandwidth", "2e10")
+SYS_TGKILL = {"x86_64": 234, "aarch64": 131}.get(os.uname().machine, 234)
 ABORTED = 'tandem:request_success_total{finished_reason="abort",model_name="tiny"}'
 
 
@@ -97,6 +99,24 @@ def test_sigterm_ends_every_stream_and_refuses_newcomers(model_dir):
 def _raw(port: int) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     return sock
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="tgkill (a signal to one thread) is Linux's")
+def test_a_signal_routed_to_another_thread_still_shuts_the_idle_server_down(model_dir):
+    """The kernel may hand a process's SIGINT to any of its threads; Python runs the handler on the
+    main thread (the engine loop's) only once that thread wakes, which an idle loop must do."""
+    import ctypes
+
+    s = Server(model_dir, *PEAKS)
+    pid = s.proc.pid
+    others = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+    assert others  # the HTTP thread at least
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.syscall(SYS_TGKILL, pid, others[0], signal.SIGINT) == 0, ctypes.get_errno()
+    try:
+        assert s.proc.wait(timeout=20) == 0
+    finally:
+        s.stop()
 
 
 def _read_all(sock: socket.socket) -> bytes:

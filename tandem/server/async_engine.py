@@ -35,6 +35,10 @@ from tandem.server.admission import AdmissionQueue, QueueFull
 
 log = logging.getLogger(__name__)
 
+IDLE_WAKE_S = 0.25
+"""How often the idle loop wakes, so that a SIGINT or SIGTERM is handled (serve runs it on the main
+thread) however the kernel routed it."""
+
 __all__ = ["AsyncEngine", "NeverFits", "QueueFull", "ShuttingDown"]
 
 
@@ -189,7 +193,9 @@ class AsyncEngine:
             with self._wake:
                 while (not self._stop and not self._end_all and not self._inbox and not self._aborts
                        and not engine.has_unfinished_requests()):
-                    self._wake.wait()
+                    # timed: Python runs a signal's handler on the main thread only once that thread
+                    # wakes, and the kernel may deliver the signal to any other thread of the process
+                    self._wake.wait(IDLE_WAKE_S)
                 if self._stop:
                     break
                 inbox, self._inbox = list(self._inbox), deque()

@@ -29,7 +29,7 @@ from typing import Callable
 import uvicorn
 
 from tandem.config import ServerConfig
-from tandem.server.async_engine import AsyncEngine
+from tandem.server.async_engine import IDLE_WAKE_S, AsyncEngine
 from tandem.server.connections import ConnectionLimits, json_error, protocol_factory
 
 log = logging.getLogger(__name__)
@@ -190,7 +190,8 @@ def serve(app, state, sock: socket.socket, log_level: str, on_started: Callable[
             engine.run()  # returns once the server has shut down; raises if its loop failed
         finally:
             server.should_exit = True  # no engine, no server: the HTTP thread must not serve on
-            thread.join()
+            while thread.is_alive():  # timed, so that a further signal's handler still runs here
+                thread.join(IDLE_WAKE_S)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
