@@ -141,9 +141,10 @@ def all_logits(loaded, ids: list[int]) -> torch.Tensor:
     cache = torch.zeros(
         spec.num_layers, 2, n_blocks * BLOCK, spec.num_kv_heads, spec.head_dim, dtype=loaded.dtype
     )
-    meta = build_metadata([(0, len(ids), list(range(n_blocks)))], BLOCK, spec.sliding_window, torch.device("cpu"))
-    # the text is one prompt: its rows take the roads the runner would give them
+    # the text is one prompt: its rows (and its attention) take the roads the runner would give them
     rows = bf16_prompt_rows(0, 0, len(ids), len(ids), False, loaded.model.ops.w8a8_prompt_bf16_tokens)
+    meta = build_metadata([(0, len(ids), list(range(n_blocks)))], BLOCK, spec.sliding_window, torch.device("cpu"),
+                          [loaded.model.bf16_prompt_attention and len(rows) > 0])
     ctx = ForwardContext(meta, cache, torch.arange(len(ids)), bf16_rows=row_split(list(rows), len(ids),
                                                                                    torch.device("cpu")))
     with torch.inference_mode():
@@ -269,14 +270,14 @@ def machine() -> dict:
     }
 
 
-def markdown(result: dict) -> str:
+def markdown(result: dict, json_name: str = "quant_accuracy.json") -> str:
     cfg, m = result["config"], result["machine"]
     tf, gr = result["teacher_forced"], result["greedy"]
     lines = [
         "# Accuracy cost of " + ", ".join(result["variants"]),
         "",
         f"Regenerate: `{result['command']}`",
-        "(raw numbers: [quant_accuracy.json](quant_accuracy.json)).",
+        f"(raw numbers: [{json_name}]({json_name})).",
         "",
         f"Model: {result['model']}"
         + (" (the default: converted from its Q4_K_M GGUF, so the float32 reference's weights are already "
@@ -467,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(result))
+    out.with_suffix(".md").write_text(markdown(result, out.with_suffix(".json").name))
     if args.package_file:
         update_package_summary(Path(args.package_file), result)
     log(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')} ({result['seconds']:.0f} s in all)")

@@ -110,13 +110,16 @@ def _fake_cpu(monkeypatch, features: set[str], amx_permitted: bool = False) -> N
     monkeypatch.setattr(dispatch, "cpu_info", lambda: info)
 
 
-@pytest.mark.parametrize("features, amx, road", [
-    ({"avx2", "avx512", "avx512_bf16"}, False, "onednn-bf16"),
-    ({"avx2", "amx_tile", "amx_bf16"}, True, "onednn-bf16"),
-    ({"avx2", "amx_tile", "amx_bf16"}, False, "w8a8-kernel"),  # the OS refused the tiles
-    ({"avx2", "avx512", "avx512_vnni"}, False, "w8a8-kernel"),
+@pytest.mark.parametrize("features, amx, road, attention", [
+    ({"avx2", "avx512", "avx512_bf16"}, False, "onednn-bf16", "torch-sdpa"),
+    ({"avx2", "amx_tile", "amx_bf16"}, True, "onednn-bf16", "torch-sdpa-bf16"),
+    ({"avx2", "avx512_bf16", "amx_tile", "amx_bf16"}, False, "onednn-bf16", "torch-sdpa"),  # the OS refused the tiles
+    ({"avx2", "amx_tile", "amx_bf16"}, False, "w8a8-kernel", "torch-sdpa"),
+    ({"avx2", "avx512", "avx512_vnni"}, False, "w8a8-kernel", "torch-sdpa"),
 ])
-def test_w8a8_prompt_rows_take_bf16_only_where_the_cpu_has_bf16_arithmetic(monkeypatch, features, amx, road):
+def test_w8a8_prompt_rows_take_bf16_only_where_the_cpu_has_bf16_arithmetic(monkeypatch, features, amx, road,
+                                                                            attention):
+    """Their matmuls wherever the CPU has bf16 dot products; their attention only on AMX tiles."""
     _fake_library(monkeypatch, True)
     _fake_cpu(monkeypatch, features, amx)
     ops = select_ops("cpu", torch.float32)
@@ -124,6 +127,10 @@ def test_w8a8_prompt_rows_take_bf16_only_where_the_cpu_has_bf16_arithmetic(monke
     assert ops.w8a8_prompt_bf16_tokens == (dispatch.W8A8_PROMPT_BF16_TOKENS if road == "onednn-bf16" else None)
     if road == "w8a8-kernel":
         assert "no bf16 arithmetic" in ops.choices["w8a8_prompt_matmul"].reason
+    assert ops.choices["w8a8_prompt_attention"].impl == attention
+    assert ops.w8a8_prompt_attention_bf16 == (attention == "torch-sdpa-bf16")
+    if attention == "torch-sdpa":
+        assert ("no AMX" if road == "onednn-bf16" else "road is off") in ops.choices["w8a8_prompt_attention"].reason
 
 
 def test_w8a8_prompt_rows_can_be_disabled_and_stay_off_for_bf16_activations(monkeypatch):
@@ -131,5 +138,10 @@ def test_w8a8_prompt_rows_can_be_disabled_and_stay_off_for_bf16_activations(monk
     _fake_cpu(monkeypatch, {"avx2", "avx512", "avx512_bf16"})
     off = select_ops("cpu", torch.float32, disable=("w8a8_prompt_matmul",))
     assert off.w8a8_prompt_bf16_tokens is None and off.choices["w8a8_prompt_matmul"].reason == "disabled by the caller"
+    assert not off.w8a8_prompt_attention_bf16
+    _fake_cpu(monkeypatch, {"avx2", "amx_tile", "amx_bf16"}, True)
+    assert select_ops("cpu", torch.float32).w8a8_prompt_attention_bf16
+    fp32_attention = select_ops("cpu", torch.float32, disable=("w8a8_prompt_attention",))
+    assert not fp32_attention.w8a8_prompt_attention_bf16 and fp32_attention.w8a8_prompt_bf16_tokens is not None
     assert select_ops("cpu", torch.bfloat16).w8a8_prompt_bf16_tokens is None
     assert select_ops("cuda", torch.float32).w8a8_prompt_bf16_tokens is None

@@ -83,6 +83,34 @@ def test_prompt_chunks_of_unlike_shapes_get_groups_of_their_own():
     assert [tuple(g.valid.shape) for g in meta.groups] == [(1, 1), (1, 193), (1, 41)]  # by context length
 
 
+def test_bf16_prompts_group_apart_and_attend_close_to_float32():
+    """Prompts on w8a8's bf16 road never share an SDPA call with float32 ones (equal shapes would
+    otherwise group), run it in bf16, and land within bf16's rounding of the float32 result."""
+    from tandem.ops.paged_attention import paged_attention
+
+    torch.manual_seed(3)
+    heads, kv_heads, dim, window = 4, 2, 32, 24
+    seqs = [(0, 40, list(range(0, 10))), (0, 40, list(range(10, 20))), (8, 30, list(range(20, 30))),
+            (50, 1, list(range(30, 45)))]
+    on_road = [True, False, True, False]
+    meta = build_metadata(seqs, BLOCK, window, torch.device("cpu"), on_road)
+    groups = sorted((g.bf16, tuple(g.valid.shape)) for g in meta.groups)
+    assert groups == [(False, (1, 1)), (False, (1, 40)), (True, (2, 40))]
+    plain = build_metadata(seqs, BLOCK, window, torch.device("cpu"))
+    assert not any(g.bf16 for g in plain.groups) and len(plain.groups) == 2
+    q = torch.randn(sum(n for _, n, _ in seqs), heads, dim)
+    k_cache, v_cache = torch.randn(2, 45 * BLOCK, kv_heads, dim).unbind(0)
+    for sliding in (False, True):
+        got = paged_attention(q, k_cache, v_cache, meta, dim ** -0.5, sliding)
+        ref = paged_attention(q, k_cache, v_cache, plain, dim ** -0.5, sliding)
+        assert got.dtype == torch.float32
+        rows = torch.cat([torch.arange(0, 40), torch.arange(80, 110)])  # the bf16 prompts' rows
+        torch.testing.assert_close(got[rows], ref[rows], atol=3e-2, rtol=3e-2)
+        assert not torch.equal(got[rows], ref[rows])  # bf16 did run
+        others = torch.cat([torch.arange(40, 80), torch.arange(110, 111)])
+        torch.testing.assert_close(got[others], ref[others], atol=1e-5, rtol=1e-5)
+
+
 def test_whole_prefill_matches(pair):
     ref, ours = pair
     torch.manual_seed(1)

@@ -283,9 +283,14 @@ def test_w8a8_with_bf16_prompt_rows_keeps_greedy_outputs_batch_independent(tmp_p
     llm = LLM(str(tmp_path), dtype="float32", device="cpu", quantization="w8a8", max_num_batched_tokens=16)
     model = llm.engine.runner.model
     model.ops = dataclasses.replace(model.ops, w8a8_prompt_bf16_tokens=8)
-    calls = []
+    model.bf16_prompt_attention = True  # as on AMX CPUs: their attention in bf16 too
+    calls, attention = [], []
     real = Int8Linear._bf16_rows
     monkeypatch.setattr(Int8Linear, "_bf16_rows", lambda self, x: calls.append(x.shape[0]) or real(self, x))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, *a, **kw: attention.append(q.dtype) or sdpa(q, *a, **kw))
     together, alone = greedy_together_and_alone(llm)
     assert together == alone
     assert calls and llm.engine.allocator.all_free()
+    assert torch.bfloat16 in attention and torch.float32 in attention  # long prompts in bf16, short ones not

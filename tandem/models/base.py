@@ -25,6 +25,9 @@ class CausalLM(nn.Module):
         self.decode_layers = None
         """``tandem.models.decode_layers.DecodeLayers`` when a decode step's layers run in one C
         call (set by ``tandem.build.load_model`` for w8a8 models), else None."""
+        self.bf16_prompt_attention = False
+        """The prompts on w8a8's bf16 road attend in bf16 (``OpTable.w8a8_prompt_attention_bf16``;
+        set with the weight format by ``tandem.models.quantizers.finish``)."""
         if spec.tie_word_embeddings:
             self.lm_head = None
         else:

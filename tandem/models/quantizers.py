@@ -34,5 +34,6 @@ def finish(model: CausalLM, quantization: str) -> CausalLM:
     if quantization != "none":
         QUANTIZERS[quantization].apply(model)
     model.decode_layers = DecodeLayers.build(model)
+    model.bf16_prompt_attention = quantization == "w8a8" and model.ops.w8a8_prompt_attention_bf16
     model.eval()
     return model

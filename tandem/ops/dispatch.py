@@ -78,6 +78,9 @@ class OpTable:
     """w8a8 layers: the prompt positions of prompts of at least this many tokens multiply through
     oneDNN's bf16 matmul (the int8 weights held exactly as bf16 integers); None: every row
     through the integer kernel (``tandem.models.quant``)."""
+    w8a8_prompt_attention_bf16: bool = False
+    """w8a8 models: the prompts on the bf16 road above also attend in bf16 (torch's flash SDPA,
+    softmax in float32 inside), their float32 queries, keys and values rounded for the call."""
     choices: dict[str, Choice] = field(default_factory=dict)
 
     def act_mul(self, act: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -152,6 +155,21 @@ def select_ops(
             "onednn-bf16", f"w8a8 layers: the prompt positions of prompts of {W8A8_PROMPT_BF16_TOKENS}+ tokens "
                            "through bf16 matmuls of the exact int8 weights (float32 activations rounded to bf16), "
                            f"in calls of {BF16_TILE_ROWS} rows with the weights packed once")
+    # their attention: in bf16 where AMX tiles run it (a 1024-token causal prompt of the default
+    # model's shape, one layer: 10.8 ms float32, 3.4 ms bf16 on a Xeon with AMX); without AMX
+    # torch's bf16 SDPA was not measured to win, so float32 stays
+    info = cpu_info()
+    if not use["w8a8_prompt_matmul"]:
+        why_attention = "only the prompts of w8a8's bf16 road attend in bf16, and that road is off"
+    elif not (info.has("amx_bf16") and info.amx_permitted):
+        why_attention = "no AMX bf16 tiles here: the prompts' attention stays float32"
+    else:
+        why_attention = ""
+    pick("w8a8_prompt_attention", not why_attention, why_attention, "torch-sdpa")
+    if use["w8a8_prompt_attention"]:
+        choices["w8a8_prompt_attention"] = Choice(
+            "torch-sdpa-bf16", "w8a8 models: the attention of the prompts on the bf16 road in bf16 (AMX tiles; "
+                               "softmax in float32), float32 in and out")
     # a w8a8 model's decode steps: every layer in one C call, from the ops chosen above
     parts = ("rms_norm", "act_mul", "qkv_rope_cache", "decode_attention", "int8_matmul")
     if not cpu_lib or dtype != torch.float32:
@@ -179,6 +197,7 @@ def select_ops(
         act_mul_kernels=lib if use["act_mul"] else None,
         decode_layers=lib if use["decode_layers"] else None,
         w8a8_prompt_bf16_tokens=W8A8_PROMPT_BF16_TOKENS if use["w8a8_prompt_matmul"] else None,
+        w8a8_prompt_attention_bf16=use["w8a8_prompt_attention"],
         choices=choices,
     )
     log.info("ops for %s/%s: %s", device.type, dtype_name,

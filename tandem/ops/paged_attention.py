@@ -12,7 +12,9 @@ from the window's start at the tile's first), so a long chunk costs its causal p
 (query, key) pair, and a sliding-window layer its window. Where the op table has a
 decode-attention kernel (on the CPU in float32 or bfloat16: ``tandem/kernels/decode_attention.c``
 and its bf16 form), the decode group (one query per sequence) instead runs it: keys and values
-read through the block tables directly, no gathered copy and no mask.
+read through the block tables directly, no gathered copy and no mask. A prompt group on w8a8's
+bf16 road (``OpTable.w8a8_prompt_attention_bf16``, AMX CPUs) runs its SDPA calls in bf16, in tiles
+of ``BF16_QUERY_TILE``; such prompts group only with each other.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ a 256-token prompt computes 62% of its grid (at 256: all of it). Measured on the
 two 256-token prompts in one step 283 ms at tile 256, 263 at 128, 269 at 64; one 1024-token
 prompt 657, 639 and 627 ms."""
 
+BF16_QUERY_TILE = 256
+"""The same for a bf16 group (``AttentionGroup.bf16``): AMX tiles make the skipped keys cheap and
+the calls' fixed cost dear. Measured on a Xeon with AMX (``benchmarks/roofline.py --quantization
+w8a8``, prefill tok/s at chunks 256 / 1024, runs alternated): tile 64 2,083 / 2,228, 128
+2,220–2,226 / 2,274–2,345, 256 2,250–2,337 / 2,383–2,539, 512 2,307 / 2,489."""
 
 PAD_SLACK = 1.5
 """How much padding a prompt group may carry: its padded (query, key) grid at most this many times
@@ -59,6 +66,7 @@ class AttentionGroup:
     block_size: int = 16
     sliding_window: int | None = None
     num_keys: int = 1  # key positions of the group's padded grid: its longest context
+    bf16: bool = False  # a prompt group whose SDPA runs in bf16 (w8a8's bf16 road on AMX)
 
     @cached_property
     def kv_slots(self) -> torch.Tensor:
@@ -106,8 +114,11 @@ def build_metadata(
     block_size: int,
     sliding_window: int | None,
     device: torch.device,
+    bf16: list[bool] | None = None,
 ) -> AttentionMetadata:
-    """``seqs``: per sequence ``(start, num_tokens, block_table)``, in flattened order."""
+    """``seqs``: per sequence ``(start, num_tokens, block_table)``, in flattened order. ``bf16``:
+    per sequence, whether its prompt attends in bf16; such prompts group only with each other, so
+    a prompt's arithmetic never depends on its step mates."""
     slot_mapping: list[int] = []
     offsets = []
     offset = 0
@@ -117,10 +128,14 @@ def build_metadata(
             slot_mapping.append(table[p // block_size] * block_size + p % block_size)
         offset += n
     decode = [i for i, (_, n, _) in enumerate(seqs) if n == 1]
-    prefill = [i for i, (_, n, _) in enumerate(seqs) if n > 1]
+    in_bf16 = bf16 or [False] * len(seqs)
+    sets: list[tuple[list[int], bool]] = [(decode, False)] if decode else []
+    for road in (False, True):
+        prefill = [i for i, (_, n, _) in enumerate(seqs) if n > 1 and in_bf16[i] == road]
+        sets.extend((idx, road) for idx in prompt_sets([(seqs[i][0], seqs[i][1]) for i in prefill], prefill))
     groups = [
-        _group([seqs[i] for i in idx], [offsets[i] for i in idx], block_size, sliding_window, device)
-        for idx in ([decode] if decode else []) + prompt_sets([(seqs[i][0], seqs[i][1]) for i in prefill], prefill)
+        _group([seqs[i] for i in idx], [offsets[i] for i in idx], block_size, sliding_window, device, road)
+        for idx, road in sets
     ]
     return AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
@@ -159,6 +174,7 @@ def _group(
     block_size: int,
     sliding_window: int | None,
     device: torch.device,
+    bf16: bool = False,
 ) -> AttentionGroup:
     starts = [s for s, _, _ in seqs]
     lens = [n for _, n, _ in seqs]
@@ -172,7 +188,7 @@ def _group(
     common = dict(block_tables=torch.tensor(tables, dtype=torch.long, device=device),
                   context_lens=torch.tensor(ends, dtype=torch.long, device=device),
                   min_start=min(starts), max_start=max(starts), block_size=block_size,
-                  sliding_window=sliding_window, num_keys=max(ends))
+                  sliding_window=sliding_window, num_keys=max(ends), bf16=bf16)
     if num_q == 1:  # decodes: one query each, no padding
         index = torch.tensor(offsets, dtype=torch.long, device=device)
         return AttentionGroup(token_index=index, valid=torch.ones(len(seqs), 1, dtype=torch.bool, device=device),
@@ -214,22 +230,25 @@ def paged_attention(
         qg = q.index_select(0, g.token_index).view(s, n_q, *q.shape[1:]).transpose(1, 2)  # [S, H, Q, D]
         kg = k_cache.index_select(0, slots).view(s, n_k, *k_cache.shape[1:]).transpose(1, 2)  # [S, KVH, K, D]
         vg = v_cache.index_select(0, slots).view(s, n_k, *v_cache.shape[1:]).transpose(1, 2)
+        if g.bf16:
+            qg, kg, vg = qg.to(torch.bfloat16), kg.to(torch.bfloat16), vg.to(torch.bfloat16)
         windowed = sliding and g.mask_sliding is not None
         mask = g.mask_sliding if windowed else g.mask_full
         window = meta.sliding_window if windowed else None
-        if n_q <= QUERY_TILE and not window:
+        tile = BF16_QUERY_TILE if g.bf16 else QUERY_TILE
+        if n_q <= tile and not window:
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=True)
         else:
             o = qg.new_empty(qg.shape)
-            for q0 in range(0, n_q, QUERY_TILE):
-                q1 = min(n_q, q0 + QUERY_TILE)
+            for q0 in range(0, n_q, tile):
+                q1 = min(n_q, q0 + tile)
                 # every valid query of the tile sees its own position, which lies in [k0, k1)
                 k1 = min(n_k, g.max_start + q1)
                 k0 = max(0, g.min_start + q0 - window + 1) if window else 0
                 o[:, :, q0:q1] = F.scaled_dot_product_attention(
                     qg[:, :, q0:q1], kg[:, :, k0:k1], vg[:, :, k0:k1], attn_mask=mask[:, :, q0:q1, k0:k1],
                     scale=scale, enable_gqa=True)
-        o = o.transpose(1, 2).reshape(s * n_q, *q.shape[1:])
+        o = o.transpose(1, 2).reshape(s * n_q, *q.shape[1:]).to(q.dtype)
         if g.valid_rows is not None:
             o = o.index_select(0, g.valid_rows)
         out.index_copy_(0, g.out_index, o)  # [n_valid, H, D]

@@ -59,9 +59,12 @@ class ModelRunner:
         sample_rows: list[int] = []
         bf16_limit = self.model.ops.w8a8_prompt_bf16_tokens
         bf16_rows: list[int] = []
+        bf16_attention: list[bool] = []  # per chunk: its attention in bf16 (w8a8's bf16 road, on AMX)
         for chunk in out.chunks:
-            bf16_rows.extend(bf16_prompt_rows(len(input_ids), chunk.start, chunk.num_tokens, chunk.num_prompt_tokens,
-                                              chunk.is_decode, bf16_limit))
+            rows = bf16_prompt_rows(len(input_ids), chunk.start, chunk.num_tokens, chunk.num_prompt_tokens,
+                                    chunk.is_decode, bf16_limit)
+            bf16_rows.extend(rows)
+            bf16_attention.append(self.model.bf16_prompt_attention and len(rows) > 0)
             input_ids.extend(chunk.token_ids)
             positions.extend(chunk.positions)
             if chunk.samples:
@@ -71,6 +74,7 @@ class ModelRunner:
             self.layout.block_size,
             self.sliding_window,
             self.device,
+            bf16_attention,
         )
         ctx = ForwardContext(
             meta=meta,
