@@ -203,7 +203,7 @@ class Int8Linear(QuantLinear):
         q, scale = self._buffers["qweight"], self._buffers["scale"]
         if self._bf16_weight is None or self._bf16_weight.device != q.device:
             self._bf16_weight = TiledBf16Weight(q.to(torch.bfloat16))
-        return self._bf16_weight(x.to(torch.bfloat16)) * scale
+        return self._bf16_weight(x, scale)
 
     def _split_rows(self, x: torch.Tensor, split: RowSplit) -> torch.Tensor:
         """The rows ``split.bf16`` through ``_bf16_rows``, the others through the w8a8 path."""
