@@ -60,7 +60,7 @@ from tandem.model_files import default_model_path
 from tandem.config import ModelConfig
 from tandem.kernels.cpu_features import cpu_model
 from tandem.models.auto_mode import ACCURACY_FILE
-from tandem.models.context import ForwardContext, bf16_prompt_rows, row_split
+from tandem.models.context import ForwardContext, bf16_prompt_attention, bf16_prompt_rows, row_split
 from tandem.ops.paged_attention import build_metadata
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -144,7 +144,7 @@ def all_logits(loaded, ids: list[int]) -> torch.Tensor:
     # the text is one prompt: its rows (and its attention) take the roads the runner would give them
     rows = bf16_prompt_rows(0, 0, len(ids), len(ids), False, loaded.model.ops.w8a8_prompt_bf16_tokens)
     meta = build_metadata([(0, len(ids), list(range(n_blocks)))], BLOCK, spec.sliding_window, torch.device("cpu"),
-                          [loaded.model.bf16_prompt_attention and len(rows) > 0])
+                          [bf16_prompt_attention(loaded.model.bf16_prompt_attention, rows)])
     ctx = ForwardContext(meta, cache, torch.arange(len(ids)), bf16_rows=row_split(list(rows), len(ids),
                                                                                    torch.device("cpu")))
     with torch.inference_mode():

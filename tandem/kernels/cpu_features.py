@@ -41,9 +41,14 @@ class CPUInfo:
         return all(n in self.features for n in names)
 
     @property
+    def amx_bf16(self) -> bool:
+        """AMX bf16 tiles the OS lets this process use."""
+        return self.has("amx_bf16") and self.amx_permitted
+
+    @property
     def bf16_arithmetic(self) -> bool:
         """bf16 dot products in hardware: AVX-512 bf16, or AMX bf16 tiles the OS lets us use."""
-        return self.has("avx512_bf16") or (self.has("amx_bf16") and self.amx_permitted)
+        return self.has("avx512_bf16") or self.amx_bf16
 
     def describe(self) -> dict[str, object]:
         return {"model": self.model, "features": sorted(self.features), "amx_permitted": self.amx_permitted,

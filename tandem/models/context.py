@@ -42,6 +42,12 @@ def bf16_prompt_rows(first_row: int, start: int, num_tokens: int, num_prompt_tok
     return range(first_row, first_row + max(0, min(num_tokens, num_prompt_tokens - start)))
 
 
+def bf16_prompt_attention(enabled: bool, rows: range) -> bool:
+    """Whether a chunk attends in bf16: it has rows on the bf16 road (``bf16_prompt_rows``) and
+    the model's prompts on that road attend in bf16 (``CausalLM.bf16_prompt_attention``)."""
+    return enabled and len(rows) > 0
+
+
 def row_split(bf16_rows: list[int], num_rows: int, device: torch.device) -> RowSplit | None:
     """The split for rows ``bf16_rows`` (ascending) of ``num_rows``; None when it is empty."""
     if not bf16_rows:

@@ -143,9 +143,10 @@ def select_ops(
     # w8a8's prompt rows: the integer kernel pays a conversion and a float multiply-add per VNNI
     # product (each block of 32 inputs has its own scale), oneDNN's bf16 dot product neither, so
     # where the CPU has bf16 arithmetic prompt rows run faster there (docs/performance.md).
+    info = cpu_info()
     if device.type != "cpu" or dtype != torch.float32:
         why_prompt = "w8a8 runs float32 activations on the CPU only"
-    elif not cpu_info().bf16_arithmetic:
+    elif not info.bf16_arithmetic:
         why_prompt = "this CPU has no bf16 arithmetic (avx512_bf16 or AMX)"
     else:
         why_prompt = ""
@@ -158,10 +159,9 @@ def select_ops(
     # their attention: in bf16 where AMX tiles run it (a 1024-token causal prompt of the default
     # model's shape, one layer: 10.8 ms float32, 3.4 ms bf16 on a Xeon with AMX); without AMX
     # torch's bf16 SDPA was not measured to win, so float32 stays
-    info = cpu_info()
     if not use["w8a8_prompt_matmul"]:
         why_attention = "only the prompts of w8a8's bf16 road attend in bf16, and that road is off"
-    elif not (info.has("amx_bf16") and info.amx_permitted):
+    elif not info.amx_bf16:
         why_attention = "no AMX bf16 tiles here: the prompts' attention stays float32"
     else:
         why_attention = ""

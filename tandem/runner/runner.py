@@ -13,7 +13,7 @@ import torch
 
 from tandem.core.step import KVLayout, RunnerOutput, SampledToken, SchedulerOutput
 from tandem.models.base import CausalLM
-from tandem.models.context import ForwardContext, bf16_prompt_rows, row_split
+from tandem.models.context import ForwardContext, bf16_prompt_attention, bf16_prompt_rows, row_split
 from tandem.ops.paged_attention import build_metadata
 from tandem.runner.grammar import GrammarCompiler
 from tandem.runner.sampler import Sampler
@@ -64,7 +64,7 @@ class ModelRunner:
             rows = bf16_prompt_rows(len(input_ids), chunk.start, chunk.num_tokens, chunk.num_prompt_tokens,
                                     chunk.is_decode, bf16_limit)
             bf16_rows.extend(rows)
-            bf16_attention.append(self.model.bf16_prompt_attention and len(rows) > 0)
+            bf16_attention.append(bf16_prompt_attention(self.model.bf16_prompt_attention, rows))
             input_ids.extend(chunk.token_ids)
             positions.extend(chunk.positions)
             if chunk.samples:
