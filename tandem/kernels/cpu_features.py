@@ -36,6 +36,8 @@ class CPUInfo:
     amx_permitted: bool
     """The OS granted this process the AMX tile state (only asked when the CPU has AMX)."""
     torch_capability: str
+    vendor: str = ""
+    """``vendor_id`` of /proc/cpuinfo (``AuthenticAMD``, ``GenuineIntel``); empty where unknown."""
 
     def has(self, *names: str) -> bool:
         return all(n in self.features for n in names)
@@ -51,21 +53,22 @@ class CPUInfo:
         return self.has("avx512_bf16") or self.amx_bf16
 
     def describe(self) -> dict[str, object]:
-        return {"model": self.model, "features": sorted(self.features), "amx_permitted": self.amx_permitted,
-                "torch_capability": self.torch_capability}
+        return {"model": self.model, "vendor": self.vendor, "features": sorted(self.features),
+                "amx_permitted": self.amx_permitted, "torch_capability": self.torch_capability}
 
 
-def _proc_cpuinfo() -> tuple[str, frozenset[str]]:
+def _proc_cpuinfo() -> tuple[str, frozenset[str], str]:
+    """(model with family and model number, flags, vendor) of the first processor."""
     model, flags = platform.processor() or platform.machine(), frozenset()
     try:
         text = open("/proc/cpuinfo", encoding="utf-8", errors="replace").read()
     except OSError:
-        return model, flags
+        return model, flags, ""
     facts: dict[str, str] = {}
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
-        if key in ("model name", "cpu family", "model") and key not in facts:
+        if key in ("model name", "cpu family", "model", "vendor_id") and key not in facts:
             facts[key] = value.strip()
         elif key == "flags" and not flags:
             flags = frozenset(value.split())
@@ -74,7 +77,7 @@ def _proc_cpuinfo() -> tuple[str, frozenset[str]]:
     if "model name" in facts:
         # Virtual machines often show a bare "AMD EPYC": family and model tell the generation.
         model = f"{facts['model name']} (family {facts.get('cpu family', '?')}, model {facts.get('model', '?')})"
-    return model, flags
+    return model, flags, facts.get("vendor_id", "")
 
 
 def available_cores() -> int:
@@ -115,7 +118,7 @@ def features_from(flags: frozenset[str], torch_checks: dict[str, bool]) -> froze
 def cpu_info() -> CPUInfo:
     import torch
 
-    model, flags = _proc_cpuinfo()
+    model, flags, vendor = _proc_cpuinfo()
     checks = {check: _torch_says(check) for _, check in FEATURES.values() if check}
     features = features_from(flags, checks)
     amx = False
@@ -124,4 +127,4 @@ def cpu_info() -> CPUInfo:
             amx = bool(torch.cpu._init_amx())
         except (AttributeError, RuntimeError):
             amx = False
-    return CPUInfo(model, flags, features, amx, torch.backends.cpu.get_cpu_capability())
+    return CPUInfo(model, flags, features, amx, torch.backends.cpu.get_cpu_capability(), vendor)
