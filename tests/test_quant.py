@@ -16,7 +16,7 @@ from tandem.build import load_model
 from tandem.config import ModelConfig
 from tandem.kernels import native
 from tandem.models.bf16_rows import TiledBf16Weight
-from tandem.ops.dispatch import BF16_TILE_ROWS
+from tandem.ops.dispatch import BF16_TILE_ROWS, select_ops
 from tandem.models.quant import Int8Linear, int8_matmul, quantize_activations, quantize_rows
 from quant_helpers import assert_greedy_is_batch_independent, copy_rounded_weights, path_kernels, prefill_logits
 from tiny_models import VOCAB, save_tiny
@@ -127,8 +127,11 @@ def test_int8_model_equals_float_model_with_rounded_weights(tmp_path, family):
 def test_w8a8_model_kernel_equals_plain_torch(tmp_path, family):
     """The whole w8a8 model on the kernels against the same model on the plain torch path."""
     save_tiny(family, tmp_path)
-    w8a8 = load_model(ModelConfig(model=str(tmp_path), dtype="float32", device="cpu", quantization="w8a8"))
-    int8 = load_model(ModelConfig(model=str(tmp_path), dtype="float32", device="cpu", quantization="int8"))
+    # the prompts' attention as the plain path runs it (SDPA), so only the int8 kernels differ: the
+    # oneDNN matmul form has its own comparison with SDPA (tests/test_matmul_attention.py)
+    kernels = select_ops("cpu", torch.float32, disable=["prefill_attention"])
+    w8a8 = load_model(ModelConfig(model=str(tmp_path), dtype="float32", device="cpu", quantization="w8a8"), kernels)
+    int8 = load_model(ModelConfig(model=str(tmp_path), dtype="float32", device="cpu", quantization="int8"), kernels)
     assert all(m.w8a8 for m in w8a8.model.modules() if isinstance(m, Int8Linear))
     ids = torch.randint(3, VOCAB, (37,))
     got = prefill_logits(w8a8, ids)
@@ -290,6 +293,11 @@ def test_w8a8_with_bf16_prompt_rows_keeps_greedy_outputs_batch_independent(tmp_p
     sdpa = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
                         lambda q, *a, **kw: attention.append(q.dtype) or sdpa(q, *a, **kw))
+    from tandem.ops import paged_attention
+
+    matmul = paged_attention.matmul_attention  # float32 prompts' form on AMD CPUs with AVX-512
+    monkeypatch.setattr(paged_attention, "matmul_attention",
+                        lambda q, *a, **kw: attention.append(q.dtype) or matmul(q, *a, **kw))
     together, alone = greedy_together_and_alone(llm)
     assert together == alone
     assert calls and llm.engine.allocator.all_free()

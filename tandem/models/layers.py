@@ -141,6 +141,7 @@ class Attention(nn.Module):
         self._rotary = [rotary]
         self._qkv_to_cache = ops.qkv_to_cache
         self._decode_attention = ops.decode_attention
+        self._matmul_prompts = ops.prompt_attention_matmul
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
@@ -155,5 +156,6 @@ class Attention(nn.Module):
             0.0 if qn is None else qn.eps, 0.0 if qn is None else qn.offset,
             cos, sin, ctx.meta.slot_mapping, k_cache, v_cache,
         )
-        o = paged_attention(q, k_cache, v_cache, ctx.meta, self.scale, self.sliding, self._decode_attention)
+        o = paged_attention(q, k_cache, v_cache, ctx.meta, self.scale, self.sliding, self._decode_attention,
+                            self._matmul_prompts)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))

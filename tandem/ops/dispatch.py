@@ -18,7 +18,7 @@ import torch
 
 from tandem.kernels import native
 from tandem.kernels.cpu_features import cpu_info
-from tandem.ops import reference
+from tandem.ops import matmul_attention, reference
 from tandem.ops.modes import KERNEL_MODES
 
 log = logging.getLogger("tandem.ops")
@@ -81,6 +81,9 @@ class OpTable:
     w8a8_prompt_attention_bf16: bool = False
     """w8a8 models: the prompts on the bf16 road above also attend in bf16 (torch's flash SDPA,
     softmax in float32 inside), their float32 queries, keys and values rounded for the call."""
+    prompt_attention_matmul: bool = False
+    """Prompts attending in float32 on the CPU run as oneDNN matmuls (``tandem.ops.matmul_attention``);
+    False: torch's SDPA."""
     choices: dict[str, Choice] = field(default_factory=dict)
 
     def act_mul(self, act: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -158,11 +161,13 @@ def select_ops(
                            f"in calls of {BF16_TILE_ROWS} rows with the weights packed once")
     # their attention: in bf16 where AMX tiles run it (a 1024-token causal prompt of the default
     # model's shape, one layer: 10.8 ms float32, 3.4 ms bf16 on a Xeon with AMX); without AMX
-    # torch's bf16 SDPA was not measured to win, so float32 stays
+    # torch's bf16 SDPA loses (Zen 5, avx512_bf16: prefill 8-11% slower than with float32 SDPA,
+    # benchmarks/prefill_variants.py, docs/results/amd-epyc-zen5/2026-12-03/prefill-variants.json),
+    # so float32 stays
     if not use["w8a8_prompt_matmul"]:
         why_attention = "only the prompts of w8a8's bf16 road attend in bf16, and that road is off"
     elif not info.amx_bf16:
-        why_attention = "no AMX bf16 tiles here: the prompts' attention stays float32"
+        why_attention = "no AMX bf16 tiles here: the prompts' attention stays float32 (bf16 SDPA measured slower without AMX)"
     else:
         why_attention = ""
     pick("w8a8_prompt_attention", not why_attention, why_attention, "torch-sdpa")
@@ -170,6 +175,27 @@ def select_ops(
         choices["w8a8_prompt_attention"] = Choice(
             "torch-sdpa-bf16", "w8a8 models: the attention of the prompts on the bf16 road in bf16 (AMX tiles; "
                                "softmax in float32), float32 in and out")
+    # prompts attending in float32 on the CPU: as oneDNN matmuls where torch's flash SDPA pays for
+    # MKL's slow float32 GEMM (AMD with AVX-512; Zen 5: prefill 1.05-1.21x, prefill_variants.py),
+    # else flash SDPA (on Intel MKL is fast, on AVX2-only AMD not measured)
+    if kernels == "torch":
+        why_matmul = "kernels='torch' asks for the plain torch path"
+    elif device.type != "cpu" or dtype != torch.float32:
+        why_matmul = "the oneDNN matmul form is for float32 prompts on the CPU"
+    elif not matmul_attention.available():
+        why_matmul = "this torch build has no oneDNN"
+    elif info.vendor != "AuthenticAMD" or not info.has("avx512"):
+        why_matmul = "flash SDPA: the oneDNN matmul form was measured faster on AMD CPUs with AVX-512 only"
+    else:
+        why_matmul = ""
+    pick("prefill_attention", not why_matmul, why_matmul, "torch-sdpa")
+    if use["prefill_attention"]:
+        choices["prefill_attention"] = Choice(
+            "onednn-matmul", f"float32 prompts: Q·Kᵀ and P·V as oneDNN matmuls in {matmul_attention.TILE}-query "
+                             "tiles, each sequence on its own; gathered through the block tables")
+    else:
+        choices["prefill_attention"] = Choice("torch-sdpa", "gather through the block tables + SDPA"
+                                              + (f" ({why_matmul})" if why_matmul else ""))
     # a w8a8 model's decode steps: every layer in one C call, from the ops chosen above
     parts = ("rms_norm", "act_mul", "qkv_rope_cache", "decode_attention", "int8_matmul")
     if not cpu_lib or dtype != torch.float32:
@@ -185,7 +211,6 @@ def select_ops(
     if unknown:
         raise ValueError(f"disable: unknown ops {', '.join(sorted(unknown))}; known: {', '.join(choices)}")
     choices["linear"] = Choice("torch", "torch's matmul (oneDNN/BLAS on the CPU, cuBLAS on CUDA)")
-    choices["prefill_attention"] = Choice("torch-sdpa", "gather through the block tables + SDPA")
     fused = _fused(lib) if lib is not None else {}
     table = OpTable(
         rms_norm=fused["rms_norm"] if use["rms_norm"] else reference.rms_norm,
@@ -198,6 +223,7 @@ def select_ops(
         decode_layers=lib if use["decode_layers"] else None,
         w8a8_prompt_bf16_tokens=W8A8_PROMPT_BF16_TOKENS if use["w8a8_prompt_matmul"] else None,
         w8a8_prompt_attention_bf16=use["w8a8_prompt_attention"],
+        prompt_attention_matmul=use["prefill_attention"],
         choices=choices,
     )
     log.info("ops for %s/%s: %s", device.type, dtype_name,

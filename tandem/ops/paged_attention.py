@@ -27,6 +27,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from tandem.ops.matmul_attention import matmul_attention
+
 QUERY_TILE = 64
 """Queries of a prompt group per SDPA call: small enough that the keys a tile skips (past its last
 query, before a sliding window) are most of what a long chunk would otherwise compute. Torch's
@@ -86,6 +88,12 @@ class AttentionGroup:
         if self.sliding_window is None:
             return None
         return self.mask_full & (self._kv_pos > self._q_pos[:, :, None] - self.sliding_window)[:, None]
+
+    @cached_property
+    def spans(self) -> list[tuple[int, int]]:
+        """(start position, valid queries) of each sequence, as Python ints."""
+        lens = self.valid.sum(1)
+        return list(zip((self.context_lens - lens).tolist(), lens.tolist()))
 
     @cached_property
     def _kv_pos(self) -> torch.Tensor:
@@ -213,9 +221,12 @@ def paged_attention(
     scale: float,
     sliding: bool,
     decode_kernel: Callable[..., None] | None = None,
+    matmul_prompts: bool = False,
 ) -> torch.Tensor:
     """``decode_kernel``: the op table's decode attention (``OpTable.decode_attention``), used for
-    the group of one-query sequences; None runs every group through gather + SDPA."""
+    the group of one-query sequences; None runs every group through gather + SDPA.
+    ``matmul_prompts`` (``OpTable.prompt_attention_matmul``): float32 prompt groups run as oneDNN
+    matmuls, each sequence on its own (``tandem.ops.matmul_attention``)."""
     out = q.new_empty(q.shape)
     for g in meta.groups:
         s, n_q = g.valid.shape
@@ -236,7 +247,9 @@ def paged_attention(
         mask = g.mask_sliding if windowed else g.mask_full
         window = meta.sliding_window if windowed else None
         tile = BF16_QUERY_TILE if g.bf16 else QUERY_TILE
-        if n_q <= tile and not window:
+        if matmul_prompts and n_q > 1 and not g.bf16 and qg.dtype == torch.float32:
+            o = matmul_attention(qg, kg, vg, mask, g.spans, scale, window)
+        elif n_q <= tile and not window:
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=True)
         else:
             o = qg.new_empty(qg.shape)
