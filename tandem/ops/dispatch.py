@@ -131,11 +131,16 @@ def select_ops(
     use: dict[str, bool] = {}
     choices: dict[str, Choice] = {}
 
-    def pick(op: str, ok: bool, reason_no: str, torch_name: str = "torch", form: str = "") -> None:
+    def pick(op: str, ok: bool, reason_no: str, torch_name: str = "torch", form: str = "",
+             chosen: Choice | None = None) -> None:
+        """``chosen``: what a chosen op is called (default: the C kernel)."""
         if op in disable:
             ok, reason_no = False, "disabled by the caller"
         use[op] = ok
-        choices[op] = Choice(kernel, "the C kernel runs here" + form) if ok else Choice(torch_name, reason_no)
+        if ok:
+            choices[op] = chosen or Choice(kernel, "the C kernel runs here" + form)
+        else:
+            choices[op] = Choice(torch_name, reason_no)
 
     for op in ("rms_norm", "act_mul", "qkv_rope_cache", "decode_attention"):
         pick(op, takes_dtype, why_not_fused, "torch-sdpa" if op == "decode_attention" else "torch",
@@ -147,55 +152,38 @@ def select_ops(
     # product (each block of 32 inputs has its own scale), oneDNN's bf16 dot product neither, so
     # where the CPU has bf16 arithmetic prompt rows run faster there (docs/performance.md).
     info = cpu_info()
-    if device.type != "cpu" or dtype != torch.float32:
-        why_prompt = "w8a8 runs float32 activations on the CPU only"
-    elif not info.bf16_arithmetic:
-        why_prompt = "this CPU has no bf16 arithmetic (avx512_bf16 or AMX)"
-    else:
-        why_prompt = ""
-    pick("w8a8_prompt_matmul", not why_prompt, why_prompt, "w8a8-kernel")
-    if use["w8a8_prompt_matmul"]:
-        choices["w8a8_prompt_matmul"] = Choice(
-            "onednn-bf16", f"w8a8 layers: the prompt positions of prompts of {W8A8_PROMPT_BF16_TOKENS}+ tokens "
-                           "through bf16 matmuls of the exact int8 weights (float32 activations rounded to bf16), "
-                           f"in calls of {BF16_TILE_ROWS} rows with the weights packed once")
+    why_prompt = _first_reason(
+        (device.type != "cpu" or dtype != torch.float32, "w8a8 runs float32 activations on the CPU only"),
+        (not info.bf16_arithmetic, "this CPU has no bf16 arithmetic (avx512_bf16 or AMX)"))
+    pick("w8a8_prompt_matmul", not why_prompt, why_prompt, "w8a8-kernel", chosen=Choice(
+        "onednn-bf16", f"w8a8 layers: the prompt positions of prompts of {W8A8_PROMPT_BF16_TOKENS}+ tokens "
+                       "through bf16 matmuls of the exact int8 weights (float32 activations rounded to bf16), "
+                       f"in calls of {BF16_TILE_ROWS} rows with the weights packed once"))
     # their attention: in bf16 where AMX tiles run it (a 1024-token causal prompt of the default
     # model's shape, one layer: 10.8 ms float32, 3.4 ms bf16 on a Xeon with AMX); without AMX
     # torch's bf16 SDPA loses (Zen 5, avx512_bf16: prefill 8-11% slower than with float32 SDPA,
     # benchmarks/prefill_variants.py, docs/results/amd-epyc-zen5/2026-12-03/prefill-variants.json),
     # so float32 stays
-    if not use["w8a8_prompt_matmul"]:
-        why_attention = "only the prompts of w8a8's bf16 road attend in bf16, and that road is off"
-    elif not info.amx_bf16:
-        why_attention = "no AMX bf16 tiles here: the prompts' attention stays float32 (bf16 SDPA measured slower without AMX)"
-    else:
-        why_attention = ""
-    pick("w8a8_prompt_attention", not why_attention, why_attention, "torch-sdpa")
-    if use["w8a8_prompt_attention"]:
-        choices["w8a8_prompt_attention"] = Choice(
-            "torch-sdpa-bf16", "w8a8 models: the attention of the prompts on the bf16 road in bf16 (AMX tiles; "
-                               "softmax in float32), float32 in and out")
+    why_attention = _first_reason(
+        (not use["w8a8_prompt_matmul"], "only the prompts of w8a8's bf16 road attend in bf16, and that road is off"),
+        (not info.amx_bf16,
+         "no AMX bf16 tiles here: the prompts' attention stays float32 (bf16 SDPA measured slower without AMX)"))
+    pick("w8a8_prompt_attention", not why_attention, why_attention, "torch-sdpa", chosen=Choice(
+        "torch-sdpa-bf16", "w8a8 models: the attention of the prompts on the bf16 road in bf16 (AMX tiles; "
+                           "softmax in float32), float32 in and out"))
     # prompts attending in float32 on the CPU: as oneDNN matmuls where torch's flash SDPA pays for
     # MKL's slow float32 GEMM (AMD with AVX-512; Zen 5: prefill 1.05-1.21x, prefill_variants.py),
     # else flash SDPA (on Intel MKL is fast, on AVX2-only AMD not measured)
-    if kernels == "torch":
-        why_matmul = "kernels='torch' asks for the plain torch path"
-    elif device.type != "cpu" or dtype != torch.float32:
-        why_matmul = "the oneDNN matmul form is for float32 prompts on the CPU"
-    elif not matmul_attention.available():
-        why_matmul = "this torch build has no oneDNN"
-    elif info.vendor != "AuthenticAMD" or not info.has("avx512"):
-        why_matmul = "flash SDPA: the oneDNN matmul form was measured faster on AMD CPUs with AVX-512 only"
-    else:
-        why_matmul = ""
-    pick("prefill_attention", not why_matmul, why_matmul, "torch-sdpa")
-    if use["prefill_attention"]:
-        choices["prefill_attention"] = Choice(
-            "onednn-matmul", f"float32 prompts: Q·Kᵀ and P·V as oneDNN matmuls in {matmul_attention.TILE}-query "
-                             "tiles, each sequence on its own; gathered through the block tables")
-    else:
-        choices["prefill_attention"] = Choice("torch-sdpa", "gather through the block tables + SDPA"
-                                              + (f" ({why_matmul})" if why_matmul else ""))
+    why_matmul = _first_reason(
+        (kernels == "torch", "kernels='torch' asks for the plain torch path"),
+        (device.type != "cpu" or dtype != torch.float32, "the oneDNN matmul form is for float32 prompts on the CPU"),
+        (not matmul_attention.available(), "this torch build has no oneDNN"),
+        (info.vendor != "AuthenticAMD" or not info.has("avx512"),
+         "the oneDNN matmul form was measured faster on AMD CPUs with AVX-512 only"))
+    pick("prefill_attention", not why_matmul, f"gather through the block tables + SDPA ({why_matmul})",
+         "torch-sdpa", chosen=Choice(
+             "onednn-matmul", f"float32 prompts: Q·Kᵀ and P·V as oneDNN matmuls in {matmul_attention.TILE}-query "
+                              "tiles, each sequence on its own; gathered through the block tables"))
     # a w8a8 model's decode steps: every layer in one C call, from the ops chosen above
     parts = ("rms_norm", "act_mul", "qkv_rope_cache", "decode_attention", "int8_matmul")
     if not cpu_lib or dtype != torch.float32:
@@ -229,6 +217,11 @@ def select_ops(
     log.info("ops for %s/%s: %s", device.type, dtype_name,
              ", ".join(f"{op}={c.impl}" for op, c in choices.items()))
     return table
+
+
+def _first_reason(*checks: tuple[bool, str]) -> str:
+    """The reason of the first check that holds: why an op keeps its torch form ("" when none does)."""
+    return next((reason for holds, reason in checks if holds), "")
 
 
 REFERENCE = select_ops("cpu", torch.float32, kernels="torch")
