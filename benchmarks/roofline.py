@@ -7,7 +7,10 @@
 1. Peaks: matmul FLOP/s per dtype (a large square shape and the skinny decode shape of the output
    layer) and memory read bandwidth.
 2. Decode step time vs batch size (and two context lengths), against the roofline floor:
-   max(weights + KV read / bandwidth, FLOPs / peak FLOP/s).
+   max(weights + KV read / bandwidth, FLOPs / peak FLOP/s). On a machine whose read bandwidth
+   moves (a shared VM), the run's peak may be from another minute than a row's steps: each row
+   also reads the bandwidth right before and right after its steps, and gives the floor at the
+   larger of those two (``floor_now_ms``, ``of_roofline_now``).
 3. Prefill throughput vs chunk size, against the compute floor.
 4. Engine overhead per step: step time outside the model's forward pass and output layer
    (scheduling, batch and attention-metadata building, sampling, detokenization), as a share
@@ -30,7 +33,7 @@ from pathlib import Path
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.utilization import measure_peaks
+from tandem.utilization import measure_bandwidth, measure_peaks
 
 STEP_TOKENS = 4096
 """The engine's token budget per step here (max_num_batched_tokens)."""
@@ -118,15 +121,20 @@ def main() -> None:
             # sequence still decodes for --decode-steps steps once all are in
             prefill_steps = -(-b * ctx // STEP_TOKENS)
             params = SamplingParams(max_tokens=args.decode_steps + prefill_steps, temperature=0, ignore_eos=True)
+            before = measure_bandwidth("cpu")
             step, overhead = median_step(llm, prompts, params, "decode")
+            now = max(before, measure_bandwidth("cpu"))
             flops, nbytes = cost.step([(ctx + args.decode_steps // 2, 1)] * b, b)
             floor = max(nbytes / peaks.bytes_per_s, flops / decode_peaks.flops_per_s)
+            floor_now = max(nbytes / now, flops / decode_peaks.flops_per_s)
             row = {"context": ctx, "batch": b, "step_ms": step * 1e3, "floor_ms": floor * 1e3,
-                   "of_roofline": floor / step, "tok_s": b / step, "overhead_share": overhead / step}
+                   "of_roofline": floor / step, "bandwidth_now_gb_s": now / 1e9, "floor_now_ms": floor_now * 1e3,
+                   "of_roofline_now": floor_now / step, "tok_s": b / step, "overhead_share": overhead / step}
             decode.append(row)
             print(f"decode ctx={ctx} batch={b}: {row['step_ms']:.1f} ms/step (floor {row['floor_ms']:.1f} ms, "
-                  f"{100 * row['of_roofline']:.0f}% of roofline), {row['tok_s']:.1f} tok/s, "
-                  f"overhead {100 * row['overhead_share']:.1f}%", flush=True)
+                  f"{100 * row['of_roofline']:.0f}% of roofline; at the {row['bandwidth_now_gb_s']:.0f} GB/s read "
+                  f"around it {row['floor_now_ms']:.1f} ms, {100 * row['of_roofline_now']:.0f}%), "
+                  f"{row['tok_s']:.1f} tok/s, overhead {100 * row['overhead_share']:.1f}%", flush=True)
     result["decode"] = decode
 
     prefill = []

@@ -110,14 +110,27 @@ def measure_peaks(device: str = "cpu", dtype_name: str = "float32", seconds: flo
             fn()
             sync()
             best_flops = max(best_flops, 2 * n**3 / (time.perf_counter() - t))
-    # Larger than any last-level cache, so the sum streams from memory.
+    return Peaks(best_flops, measure_bandwidth(device, seconds / 2), measured=True)
+
+
+def measure_bandwidth(device: str = "cpu", seconds: float = 0.3) -> float:
+    """Best observed memory read bandwidth (bytes/s) over ``seconds``: a sum over a tensor larger
+    than any last-level cache, so it streams from memory."""
+    import torch
+
+    dev = torch.device(device)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
     big = torch.ones(64 << 20 if dev.type == "cpu" else 1 << 30, dtype=torch.float32, device=dev)
     best_bw = 0.0
-    deadline = time.perf_counter() + seconds / 2
+    deadline = time.perf_counter() + seconds
     while best_bw == 0.0 or time.perf_counter() < deadline:
         sync()
         t = time.perf_counter()
         big.sum()
         sync()
         best_bw = max(best_bw, big.numel() * 4 / (time.perf_counter() - t))
-    return Peaks(best_flops, best_bw, measured=True)
+    return best_bw
