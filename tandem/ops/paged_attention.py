@@ -14,7 +14,9 @@ decode-attention kernel (on the CPU in float32 or bfloat16: ``tandem/kernels/dec
 and its bf16 form), the decode group (one query per sequence) instead runs it: keys and values
 read through the block tables directly, no gathered copy and no mask. A prompt group on w8a8's
 bf16 road (``OpTable.w8a8_prompt_attention_bf16``, AMX CPUs) runs its SDPA calls in bf16, in tiles
-of ``BF16_QUERY_TILE``; such prompts group only with each other.
+of ``BF16_QUERY_TILE``; such prompts group only with each other. Where the op table says so
+(``OpTable.prompt_attention_matmul``: AMD CPUs with AVX-512), float32 prompt groups run as oneDNN
+matmuls instead of SDPA, each sequence on its own (``tandem.ops.matmul_attention``).
 """
 
 from __future__ import annotations
