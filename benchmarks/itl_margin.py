@@ -40,10 +40,9 @@ def summarize(steps, factors: list[float], seconds: float, tokens: int) -> dict:
     for s, nxt in zip(steps, steps[1:]):
         cycle = nxt.start - s.start
         gaps.extend([cycle] * s.num_decode_tokens)
-        if s.predicted_seconds:
-            kind = "decode" if not s.num_prefill_tokens else "prefill" if not s.num_decode_tokens else "mixed"
-            ratios[kind].append(cycle / s.predicted_seconds)
-    mixed = [s.num_prefill_tokens for s in steps if s.num_prefill_tokens and s.num_decode_tokens]
+        if s.predicted_seconds and s.kind in ratios:
+            ratios[s.kind].append(cycle / s.predicted_seconds)
+    mixed = [s.num_prefill_tokens for s in steps if s.kind == "mixed"]
     return {
         "output_tok_s": tokens / seconds, "seconds": seconds,
         "margin_min": min(factors, default=1.0), "margin_median": statistics.median(factors) if factors else 1.0,
@@ -71,6 +70,19 @@ def main() -> None:
             factors.append(self.margin)
 
     policies.PrefillShare.__init__ = record
+    try:
+        runs, llm = run(args, shares, factors)
+    finally:
+        policies.PrefillShare.__init__ = made
+    result = {"command": "benchmarks/itl_margin.py " + " ".join(sys.argv[1:]), "cpu": cpu_model(),
+              "paths": llm.loaded.paths(), "target_itl_ms": args.target_itl_ms,
+              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "runs": runs}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def run(args, shares: list[float], factors: list[float]) -> tuple[list[dict], LLM]:
+    """The runs, round by round; ``factors`` collects the margin of each step sized in them."""
     llm = LLM(max_num_seqs=16, target_itl_ms=args.target_itl_ms, enable_prefix_caching=False)
     policy = llm.engine.scheduler.policy
     params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
@@ -89,12 +101,7 @@ def main() -> None:
             print(f"round {r}, margin share {share}: {row['output_tok_s']:.1f} tok/s, margin min "
                   f"{row['margin_min']:.2f} median {row['margin_median']:.2f}, prompt tokens per mixed step "
                   f"{row['mixed_prompt_tokens_median']:g}, gap p99 {row['gap_p99_ms']:.0f} ms", flush=True)
-    policies.PrefillShare.__init__ = made
-    result = {"command": "benchmarks/itl_margin.py " + " ".join(sys.argv[1:]), "cpu": cpu_model(),
-              "paths": llm.loaded.paths(), "target_itl_ms": args.target_itl_ms,
-              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "runs": runs}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return runs, llm
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ machine, step kind by step kind, and how far that moves from one load to the nex
 Calibrates a profile (as ``tandem calibrate`` does), then runs closed-loop loads of the chunked
 policy (40 requests of 32–600 random prompt tokens, 48 tokens out, at most 16 at a time) at each
 ``--budgets`` token budget, and divides every step's measured forward time by the profile's
-prediction for it. Per load and step kind (decode-only, mixed, prompt-only): the steps, and the
+prediction for it. Per load and step kind (``StepStats.kind``: decode-only, mixed, prefill-only): the steps, and the
 median, p10 and p90 of that ratio. A model that fits the steps and a machine that holds its speed
 give medians near 1 in every row; rows whose medians differ by kind point at the model, rows whose
 medians move together from load to load at the machine.
@@ -47,12 +47,6 @@ def load(config: EngineConfig, loaded, budget: int, seed: int):
     return [s for s in engine.step_stats if s.chunks]
 
 
-def kind(spans: list[tuple[int, int]]) -> str:
-    prompt = any(n > 1 for _, n in spans)
-    decode = any(n == 1 for _, n in spans)
-    return "mixed" if prompt and decode else "prompt" if prompt else "decode"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budgets", default="512,128,256")
@@ -70,8 +64,7 @@ def main() -> None:
     for i, budget in enumerate(int(b) for b in args.budgets.split(",")):
         ratios: dict[str, list[float]] = {}
         for s in load(config, loaded, budget, seed=i + 1):
-            spans = s.spans()
-            ratios.setdefault(kind(spans), []).append(s.forward_seconds / forward.predict(features(spans)))
+            ratios.setdefault(s.kind, []).append(s.forward_seconds / forward.predict(features(s.spans())))
         for k, r in sorted(ratios.items()):
             r.sort()
             row = {"budget": budget, "kind": k, "steps": len(r), "median": statistics.median(r),

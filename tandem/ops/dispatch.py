@@ -190,11 +190,9 @@ def select_ops(
         why_layers = why_not or "the fused decode layers take float32 activations"
     else:
         why_layers = next((f"{op} runs in torch" for op in parts if not use[op]), "")
-    pick("decode_layers", not why_layers, why_layers, "per-op")
-    if use["decode_layers"]:
-        choices["decode_layers"] = Choice(
-            kernel, "w8a8 models: a decode step's layers in one C call (one OpenMP region); other weight "
-                    "formats and steps with prompt tokens op by op")
+    pick("decode_layers", not why_layers, why_layers, "per-op", chosen=Choice(
+        kernel, "w8a8 models: a decode step's layers in one C call (one OpenMP region); other weight "
+                "formats and steps with prompt tokens op by op"))
     unknown = disable - set(choices)
     if unknown:
         raise ValueError(f"disable: unknown ops {', '.join(sorted(unknown))}; known: {', '.join(choices)}")

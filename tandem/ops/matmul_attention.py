@@ -23,9 +23,6 @@ TILE = 128
 1024-token causal layer of the default model's shape took 13.6, 13.3 and 14.8 ms at tiles of 64,
 128 and 256, flash SDPA 20.9 (scratch timing, not a committed benchmark)."""
 
-_linear = torch.ops.mkldnn._linear_pointwise
-
-
 def available() -> bool:
     """oneDNN's matmul exists in this torch build."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -33,7 +30,7 @@ def available() -> bool:
 
 def _matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` by oneDNN (both contiguous: a strided weight takes its slow reference path)."""
-    return _linear(x, w.contiguous(), None, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, w.contiguous(), None, "none", [], "")
 
 
 def _edges(start: int, q0: int, q1: int, k0: int, k1: int, window: int | None) -> list[tuple[int, int]]:
