@@ -27,6 +27,7 @@ from tiny_models import save_tiny
 PEAKS = ("--peak-flops", "1e11", "--peak-memory-bandwidth", "2e10")
 SYS_TGKILL = {"x86_64": 234, "aarch64": 131}.get(os.uname().machine)
 ABORTED = 'tandem:request_success_total{finished_reason="abort",model_name="tiny"}'
+LENGTH = 'tandem:request_success_total{finished_reason="length",model_name="tiny"}'
 
 
 @pytest.fixture(scope="module")
@@ -155,19 +156,23 @@ def test_slow_headers_idle_connections_and_the_cap(model_dir):
 def test_a_client_that_never_reads_its_stream_is_aborted(model_dir):
     s = Server(model_dir, "--stream-write-timeout", "1", *PEAKS)
     try:
-        before = wait_idle(s).get(ABORTED, 0)
+        m = wait_idle(s)
+        before = {k: m.get(k, 0) for k in (ABORTED, LENGTH)}
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the client's window stays small
         sock.connect(("127.0.0.1", s.port))
-        body = json.dumps({"prompt": "w1 w2", "max_tokens": 1000, "n": 16, "logprobs": 5, "stream": True,
+        body = json.dumps({"prompt": "w1 w2", "max_tokens": 2000, "n": 16, "logprobs": 5, "stream": True,
                            "ignore_eos": True}).encode()
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         deadline = time.monotonic() + 60
-        while metrics(s).get(ABORTED, 0) < before + 16 and time.monotonic() < deadline:
+        while sum(metrics(s).get(k, 0) - v for k, v in before.items()) < 16 and time.monotonic() < deadline:
             time.sleep(0.2)
         m = wait_idle(s)
-        assert m[ABORTED] == before + 16  # every choice stopped before its 1000 tokens
+        # The engine does not wait for the client, so on a fast machine the choices scheduled first
+        # may reach their 2000 tokens within the second before the stall is seen; the rest are aborted.
+        assert m[ABORTED] > before[ABORTED]
+        assert m[ABORTED] - before[ABORTED] + m.get(LENGTH, 0) - before[LENGTH] == 16
         assert metric(m, "tandem:kv_cache_usage_perc") == 0
         sock.close()
     finally:
