@@ -9,9 +9,9 @@ users (tests, ``ThreadedServer``) call ``start``, which runs the same loop in a 
 
 Handlers never touch the engine: they validate and tokenize (``Engine.make_request`` changes no
 state), then hand the request to the loop through a lock-protected inbox. The loop thread adds
-and aborts requests between steps, runs ``step()``, and pushes each output to the request's
-asyncio queue with ``call_soon_threadsafe`` as soon as the step ends. A slow client only slows
-its own queue's consumer; the loop never waits for a socket.
+and aborts requests between steps, runs ``step()``, and pushes the step's outputs to the
+requests' asyncio queues, one ``call_soon_threadsafe`` per event loop, as soon as the step ends.
+A slow client only slows its own queue's consumer; the loop never waits for a socket.
 
 Requests reach the inbox through the first-come admission queue (``admission.py``); on shutdown
 ``begin_shutdown`` refuses new work and ``end_all`` finishes every open request with
@@ -226,12 +226,13 @@ class AsyncEngine:
                 continue
             if engine.step_fault is not None:  # a request's own failure (isolated) is no fault of the server's
                 self._fault(engine.step_fault)
-            for out in outputs:
-                self._push(out.request_id, out)
-                if out.finished:
-                    if self._on_finish is not None:
-                        self._on_finish(out)
-                    self._close(out.request_id)
+            finished = [out for out in outputs if out.finished]
+            if self._on_finish is not None:
+                for out in finished:
+                    self._on_finish(out)
+            self._push_step(outputs)
+            for out in finished:
+                self._close(out.request_id)
             self._poke_admission()
         # stopped: whoever still waits gets an error instead of hanging
         self._finish_all([])
@@ -271,6 +272,23 @@ class AsyncEngine:
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
+    def _push_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, handed to each event loop in one call: one wake-up of the HTTP
+        thread per step, not one per stream (each wake-up is a write to the loop's self-pipe, and
+        the woken thread then contends for the GIL while this thread pushes the rest)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, items)
+
     def _close(self, request_id: str) -> None:
         with self._lock:
             self._streams.pop(request_id, None)
+
+
+def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
