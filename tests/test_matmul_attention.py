@@ -72,7 +72,7 @@ def _fake_cpu(monkeypatch, vendor: str, features: set[str]) -> None:
     ("AuthenticAMD", {"avx2", "avx512"}, torch.float32, "auto", "onednn-matmul"),
     ("AuthenticAMD", {"avx2", "avx512"}, torch.float32, "torch", "torch-sdpa"),
     ("AuthenticAMD", {"avx2", "avx512"}, torch.bfloat16, "auto", "torch-sdpa"),
-    ("AuthenticAMD", {"avx2"}, torch.float32, "auto", "torch-sdpa"),  # AVX2 only: not measured
+    ("AuthenticAMD", {"avx2"}, torch.float32, "auto", "torch-sdpa"),  # AVX2 only: measured slower (Zen 3)
     ("GenuineIntel", {"avx2", "avx512"}, torch.float32, "auto", "torch-sdpa"),
     ("", {"avx2", "avx512"}, torch.float32, "auto", "torch-sdpa"),
 ])

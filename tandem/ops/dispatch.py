@@ -173,13 +173,14 @@ def select_ops(
                            "softmax in float32), float32 in and out"))
     # prompts attending in float32 on the CPU: as oneDNN matmuls where torch's flash SDPA pays for
     # MKL's slow float32 GEMM (AMD with AVX-512; Zen 5: prefill 1.05-1.21x, prefill_variants.py),
-    # else flash SDPA (on Intel MKL is fast, on AVX2-only AMD not measured)
+    # else flash SDPA (on Intel MKL is fast; on an AVX2-only Zen 3 the matmul form made prefill
+    # 1-17% slower: docs/results/amd-epyc-zen3/2026-12-03/prefill-variants.json)
     why_matmul = _first_reason(
         (kernels == "torch", "kernels='torch' asks for the plain torch path"),
         (device.type != "cpu" or dtype != torch.float32, "the oneDNN matmul form is for float32 prompts on the CPU"),
         (not matmul_attention.available(), "this torch build has no oneDNN"),
         (info.vendor != "AuthenticAMD" or not info.has("avx512"),
-         "the oneDNN matmul form was measured faster on AMD CPUs with AVX-512 only"))
+         "the oneDNN matmul form measured faster on AMD CPUs with AVX-512 only (slower on an AVX2-only Zen 3)"))
     pick("prefill_attention", not why_matmul, f"gather through the block tables + SDPA ({why_matmul})",
          "torch-sdpa", chosen=Choice(
              "onednn-matmul", f"float32 prompts: Q·Kᵀ and P·V as oneDNN matmuls in {matmul_attention.TILE}-query "
