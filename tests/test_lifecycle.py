@@ -161,7 +161,7 @@ def test_a_client_that_never_reads_its_stream_is_aborted(model_dir):
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the client's window stays small
         sock.connect(("127.0.0.1", s.port))
-        body = json.dumps({"prompt": "w1 w2", "max_tokens": 2000, "n": 16, "logprobs": 5, "stream": True,
+        body = json.dumps({"prompt": "w1 w2", "max_tokens": 2000, "n": 16, "logprobs": 20, "stream": True,
                            "ignore_eos": True}).encode()
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)

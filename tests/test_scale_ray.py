@@ -129,38 +129,42 @@ def test_errors_are_the_single_process_servers(prefix_client, tmp_path, body, he
         or err["param"] == "model"
 
 
-def test_body_limit_is_applied_at_the_ingress(cluster):
-    with deploy(cluster, routing="prefix-aware", max_request_bytes=1000) as client:
-        r = client.post("/v1/completions", headers=AUTH, json={"prompt": "w1 " * 600})
-        assert_error(r, 413)
+def _prefix_blocks(text: str) -> tuple[float, float]:
+    """The router's (matched, requested) prefix blocks, summed over replicas."""
+    return tuple(sum(float(v) for v in re.findall(rf'tandem:router_prefix_blocks_{kind}_total\{{[^}}]*\}} (\S+)', text))
+                 for kind in ("matched", "requested"))
 
 
-def test_prefix_aware_keeps_a_prefix_on_one_replica(cluster):
-    with deploy(cluster, routing="prefix-aware") as client:
-        cached = [complete(client, f"{SHARED} q{i}")["usage"]["prompt_tokens_details"]["cached_tokens"]
-                  for i in range(6)]
-        counts = routed(client, 6)
-        assert len(per_replica(counts)) == 1, counts  # every one went where the first did
-        assert sum(n for (_, reason), n in counts.items() if reason == "prefix") == 5
-        assert cached[0] == 0 and all(c == 64 for c in cached[1:]), cached
-        text = client.get("/metrics").text
-        matched = sum(float(v) for v in re.findall(r'tandem:router_prefix_blocks_matched_total\{[^}]*\} (\S+)', text))
-        requested = sum(float(v) for v in re.findall(r'tandem:router_prefix_blocks_requested_total\{[^}]*\} (\S+)', text))
-        assert matched == 5 * 16 and requested == 6 * 16
-        replicas = set(re.findall(r'tandem:num_requests_running\{[^}]*replica="(\w+)"', text))
-        assert len(replicas) == 2
-        health = client.get("/health").json()
-        assert health == {"status": "ok", "replicas": 2, "replicas_alive": 2}
-        listed = client.get("/replicas").json()
-        assert listed["routing"] == "prefix-aware" and len(listed["replicas"]) == 2
+def test_prefix_aware_keeps_a_prefix_on_one_replica(prefix_client):
+    """On the deployment the tests above used: counted from what the router had counted before."""
+    client = prefix_client
+    before, blocks_before = routed(client), _prefix_blocks(client.get("/metrics").text)
+    cached = [complete(client, f"{SHARED} q{i}")["usage"]["prompt_tokens_details"]["cached_tokens"]
+              for i in range(6)]
+    after = routed(client, sum(before.values()) + 6)
+    counts = {k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)}
+    assert len(per_replica(counts)) == 1, counts  # every one went where the first did
+    assert sum(n for (_, reason), n in counts.items() if reason == "prefix") == 5
+    assert cached[0] == 0 and all(c == 64 for c in cached[1:]), cached
+    text = client.get("/metrics").text
+    matched, requested = (a - b for a, b in zip(_prefix_blocks(text), blocks_before))
+    assert matched == 5 * 16 and requested == 6 * 16
+    replicas = set(re.findall(r'tandem:num_requests_running\{[^}]*replica="(\w+)"', text))
+    assert len(replicas) == 2
+    health = client.get("/health").json()
+    assert health == {"status": "ok", "replicas": 2, "replicas_alive": 2}
+    listed = client.get("/replicas").json()
+    assert listed["routing"] == "prefix-aware" and len(listed["replicas"]) == 2
 
 
-def test_round_robin_alternates(cluster):
-    with deploy(cluster, routing="round-robin") as client:
+def test_round_robin_alternates_and_the_body_limit_holds_at_the_ingress(cluster):
+    with deploy(cluster, routing="round-robin", max_request_bytes=1000) as client:
         for i in range(6):
             complete(client, f"{SHARED} r{i}")
         counts = per_replica(routed(client, 6))
         assert sorted(counts.values()) == [3, 3], counts
+        r = client.post("/v1/completions", headers=AUTH, json={"prompt": "w1 " * 600})
+        assert_error(r, 413)
 
 
 def test_least_loaded_avoids_the_busy_replica(cluster):
