@@ -128,6 +128,6 @@ def rescaled(profile: dict, check: dict[str, Any]) -> dict:
     new, old = factors(check), factors(profile.get("speed_check"))
     out = dict(profile)
     for part in ("forward", "overhead"):
-        out[part] = {k: v * new[k] / old[k] for k, v in profile[part].items()}
+        out[part] = {k: v * new[k] / old[k] if k in new else v for k, v in profile[part].items()}  # the knee stays
     out["speed_check"] = check
     return out

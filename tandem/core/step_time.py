@@ -1,9 +1,12 @@
 """The step-time model: seconds of one step from the shape of its chunks, fitted online.
 
-``seconds = base + per_token * tokens + per_seq * sequences + per_context * (KV positions read)
-+ per_pair * (attention (query, key) pairs)``: fixed weight reads, compute per token, sampling
+``seconds = base + per_token * tokens + per_seq * max(knee, sequences) + per_context * (KV positions
+read) + per_pair * (attention (query, key) pairs)``: fixed weight reads, compute per token, sampling
 and bookkeeping per sequence, attention's memory reads per visible key, and prefill attention's
-compute per pair. ``features`` is the one definition of those quantities; the simulator's
+compute per pair. ``knee`` (sequences, 0 by default: a plain sum) is where a step stops costing a
+weight-read floor: a kernel that multiplies each weight tile by every row of a batch while the next
+tile streams in costs the same for 1 to ``knee`` rows, then each row more costs its products
+(measured: w8a8 decode on an AVX2 Zen 3 timed 20, 24 and 87 ms for 1, 4 and 16 rows). ``features`` is the one definition of those quantities; the simulator's
 ``StepCost`` (``tandem.sim``) is this module's coefficients, so a simulated step costs exactly
 what a fitted model of it would predict.
 
@@ -17,7 +20,7 @@ steps", and a feature the window never shows (no prefill seen yet) keeps its pri
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Iterable, Sequence
 
 from tandem.core.step import SchedulerOutput
@@ -58,6 +61,9 @@ class StepCost:
     per_seq: float = 0.0002
     per_context: float = 0.0
     per_pair: float = 0.0
+    knee: float = 0.0
+    """Sequences up to which ``per_seq`` is paid as if there were ``knee`` of them (not a coefficient:
+    the online fit keeps it; a calibration picks it, ``fit_knee``)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -66,11 +72,13 @@ class StepCost:
                 raise ValueError(f"{f.name}: a step-time coefficient must be a number >= 0, got {value!r}")
 
     def vector(self) -> Features:
-        return astuple(self)  # type: ignore[return-value]
+        """The coefficients, in ``TERMS`` order (the knee is not one)."""
+        return (self.base, self.per_token, self.per_seq, self.per_context, self.per_pair)
 
     def predict(self, x: Sequence[float]) -> float:
         # spelled out: the policy predicts a few times per chunk it sizes, every step
-        return (self.base * x[0] + self.per_token * x[1] + self.per_seq * x[2] + self.per_context * x[3]
+        seqs = x[2] if x[2] >= self.knee or x[2] <= 0 else self.knee
+        return (self.base * x[0] + self.per_token * x[1] + self.per_seq * seqs + self.per_context * x[3]
                 + self.per_pair * x[4])
 
     def seconds(self, out: SchedulerOutput) -> float:
@@ -118,17 +126,28 @@ class StepTimeModel:
     def refit(self) -> StepCost:
         self._since_fit = 0
         if self.window:
-            self.coefficients = StepCost(*fit(list(self.window), self.prior.vector(), self.prior_weight))
+            knee = self.prior.knee
+            self.coefficients = StepCost(*fit(list(self.window), self.prior.vector(), self.prior_weight, knee), knee=knee)
         return self.coefficients
 
 
-def fit(observations: Sequence[Observation], prior: Sequence[float], prior_weight: float) -> list[float]:
+def kneed(x: Sequence[float], knee: float) -> list[float]:
+    """``x`` with its sequences counted as ``StepCost.predict`` counts them under ``knee``."""
+    out = list(x)
+    if 0 < out[2] < knee:
+        out[2] = knee
+    return out
+
+
+def fit(observations: Sequence[Observation], prior: Sequence[float], prior_weight: float,
+        knee: float = 0.0) -> list[float]:
     """Non-negative ridge least squares on *relative* error: minimize
     sum ((y - x.c) / y)^2 + w * sum (s_j (c_j - p_j))^2, with ``s_j`` the RMS of x_j / y over the
     observations (so ``w`` counts pseudo-steps). Relative, because a decode step of 20 ms must be
-    predicted as well as a prefill step of 2 s: the ITL budget is decided on the small ones."""
+    predicted as well as a prefill step of 2 s: the ITL budget is decided on the small ones.
+    ``knee``: the sequences are counted as under that knee (a fixed knee keeps the fit linear)."""
     k = len(prior)
-    rows = [([v / o.seconds for v in o.x], 1.0) for o in observations if o.seconds > 0]
+    rows = [([v / o.seconds for v in kneed(o.x, knee)], 1.0) for o in observations if o.seconds > 0]
     if not rows:
         return list(prior)
     scale = [(sum(z[j] ** 2 for z, _ in rows) / len(rows)) ** 0.5 for j in range(k)]
@@ -165,6 +184,25 @@ def fit(observations: Sequence[Observation], prior: Sequence[float], prior_weigh
         else:  # never seen: the data says nothing, the prior stands
             out.append(prior[j])
     return out
+
+
+KNEES = (0.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)
+"""The knees ``fit_knee`` tries (0: no floor)."""
+
+
+def fit_knee(observations: Sequence[Observation], prior: StepCost, prior_weight: float,
+             knees: Sequence[float] = KNEES) -> StepCost:
+    """``fit`` at each of ``knees``, the one whose relative errors have the least sum of squares
+    (the fit's own objective); a knee that lowers it by less than 2% is not worth its bend, so a
+    step cost without a floor keeps knee 0."""
+    best: tuple[float, StepCost] | None = None
+    for knee in knees:
+        cost = StepCost(*fit(observations, prior.vector(), prior_weight, knee), knee=knee)
+        sse = sum(((cost.predict(o.x) - o.seconds) / o.seconds) ** 2 for o in observations if o.seconds > 0)
+        if best is None or sse < best[0] * 0.98:
+            best = (sse, cost)
+    assert best is not None
+    return best[1]
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from tandem.core.step_time import Observation, StepCost, features, fit
+from tandem.core.step_time import KNEES, Observation, StepCost, features, fit_knee
 
 Spans = list[tuple[int, int]]
 """One step: (start position, tokens) per sequence."""
@@ -63,10 +63,11 @@ def compact(spans: Spans) -> list[list[int]]:
 
 
 def fit_shapes(timed: Sequence[tuple[Spans, float]], prior: StepCost | None = None,
-               prior_weight: float = 0.01) -> StepCost:
-    """The step-time model fitted to (step, seconds) pairs, barely pulled toward ``prior``."""
+               prior_weight: float = 0.01, knees: Sequence[float] = KNEES) -> StepCost:
+    """The step-time model fitted to (step, seconds) pairs, barely pulled toward ``prior``, with the
+    knee (``StepCost.knee``) that fits them best."""
     observations = [Observation(features(spans), seconds) for spans, seconds in timed if seconds > 0]
-    return StepCost(*fit(observations, (prior or StepCost()).vector(), prior_weight))
+    return fit_knee(observations, prior or StepCost(), prior_weight, knees)
 
 
 def fit_cost(seconds: Callable[[Spans], float], shapes: Sequence[Spans]) -> StepCost:
