@@ -207,12 +207,16 @@ def test_calibrate_writes_a_valid_profile(tiny, tmp_path):
     from tandem.bench.calibrate import run_calibrate
 
     out = tmp_path / "profile.json"
-    cfg = CalibrateConfig(output=str(out), repeats=2, max_chunk=128, max_batch=8, overhead_requests=6)
+    cfg = CalibrateConfig(output=str(out), repeats=3, max_chunk=128, max_batch=8, overhead_requests=6)
     profile = run_calibrate(cfg, EngineConfig.from_kwargs(model=str(tiny), num_kv_blocks=128, threads=1))
     loaded = load_profile(str(out))
     assert loaded.kind == "measured" and loaded.num_kv_blocks == 128
     assert profile["fit"]["steps"] >= 8 and profile["fit"]["overhead_steps"] > 5
     assert loaded.cost.base > 0 and profile["machine"]
+    # the spread: every timed run of every designed step over its step's median
+    assert len(loaded.noise_ratios) == 3 * profile["fit"]["steps"] and 1.0 in loaded.noise_ratios
+    assert loaded.in_load_scale == profile["in_load_scale"] > 0
+    assert loaded.cost.knee in (0.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)
     # the speed check's reference, taken right after the designed steps (the tiny model's context
     # is 512 tokens: the decode at context 1024 is left out)
     assert set(profile["speed_probe_ms"]) == {"prefill 256", "decode x16 at 128"}

@@ -31,19 +31,29 @@ def blocks_needed(layout: KVLayout, shapes: list[Spans]) -> int:
 
 def time_steps(runner, layout: KVLayout, shapes: list[Spans], repeats: int, progress=None,
                warm: bool = True) -> list[tuple[Spans, float]]:
-    """(step, seconds) for each shape: one untimed run first (its one-time costs; ``warm=False``
-    skips it), then the median of ``repeats`` timed ones."""
-    timed = []
-    for i, spans in enumerate(shapes):
-        out = step_for(layout, spans, f"timed-{i}")
-        if warm:
+    """(step, seconds) for each shape: the median of ``time_step_samples``' runs."""
+    return [(spans, statistics.median(runs))
+            for spans, runs in time_step_samples(runner, layout, shapes, repeats, progress, warm)]
+
+
+def time_step_samples(runner, layout: KVLayout, shapes: list[Spans], repeats: int, progress=None,
+                      warm: bool = True) -> list[tuple[Spans, list[float]]]:
+    """(step, the seconds of each timed run) for each shape: one untimed run of each first (its
+    one-time costs; ``warm=False`` skips it), then ``repeats`` timed ones. The repeats go round by
+    round through all the shapes, not shape by shape: a slow spell of a shared machine (seconds
+    long) then costs each shape one slow sample, which a median drops, instead of every sample of
+    the one or two shapes it fell on. ``progress`` is told the shapes done (a fraction when a
+    round is part way)."""
+    outs = [step_for(layout, spans, f"timed-{i}") for i, spans in enumerate(shapes)]
+    if warm:
+        for out in outs:
             runner.execute(out)
-        seconds = []
-        for _ in range(repeats):
+    seconds: list[list[float]] = [[] for _ in shapes]
+    for r in range(repeats):
+        for i, out in enumerate(outs):
             t = time.perf_counter()
             runner.execute(out)
-            seconds.append(time.perf_counter() - t)
-        timed.append((spans, statistics.median(seconds)))
-        if progress:
-            progress(i + 1)
-    return timed
+            seconds[i].append(time.perf_counter() - t)
+            if progress:
+                progress((r * len(outs) + i + 1) / repeats)
+    return list(zip(shapes, seconds))
