@@ -34,6 +34,7 @@ through to both the calibration and the real runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -49,6 +50,7 @@ from tandem.bench.scenarios import SCENARIOS
 from tandem.bench.simulate import SimEvaluator
 from tandem.bench.speed_check import PROBE, measure, recorded, rescaled, speed_check
 from tandem.cli_args import add_engine_args, engine_config_from_args
+from tandem.sim.design import fit_shapes
 from tandem.sim.profile import Profile, describe, load_profile, profile_from_dict
 
 METRICS = (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT p50"), ("p99_ttft_ms", "TTFT p99"),
@@ -125,10 +127,20 @@ def rescaled_profiles(profile: dict, ratios: dict[str, list[dict[str, float]]]) 
             for key, runs in ratios.items()}
 
 
+def plain_profile(calibrated: dict) -> dict:
+    """``calibrated`` as the simulator priced steps before the knee and the step noise: its forward
+    pass refitted to the same timed steps without a knee, no spread, no in-load scale."""
+    d = {k: v for k, v in calibrated.items() if k not in ("step_noise", "in_load_scale")}
+    timed = [([(s, n) for s, n, c in t["spans"] for _ in range(c)], t["seconds"]) for t in calibrated["fit"]["timed"]]
+    d["forward"] = dataclasses.asdict(fit_shapes(timed, knees=(0.0,)))
+    return d
+
+
 def compare_rows(scenario: str, real: dict, sim: dict, corrected: dict | None = None,
-                 ratios: dict[str, list[dict[str, float]]] | None = None) -> list[dict]:
+                 ratios: dict[str, list[dict[str, float]]] | None = None, plain: dict | None = None) -> list[dict]:
     """One row per (load, configuration): each metric measured, simulated and the relative error;
-    with ``corrected`` (the simulator on speed-checked profiles) that simulation and its error too."""
+    with ``corrected`` (the simulator on speed-checked profiles) that simulation and its error too,
+    with ``plain`` (``plain_profile``'s) that one's."""
     from tandem.bench.results import row
 
     def err(p, m):
@@ -137,12 +149,15 @@ def compare_rows(scenario: str, real: dict, sim: dict, corrected: dict | None = 
     rows = []
     sims = _by_load(sim, scenario)
     fixed = _by_load(corrected, scenario) if corrected else {}
+    before = _by_load(plain, scenario) if plain else {}
     for load, evaluations in _by_load(real, scenario).items():
         simulated = {e.candidate.name: e for e in sims[load]}
         again = {e.candidate.name: e for e in fixed.get(load, [])}
+        old = {e.candidate.name: e for e in before.get(load, [])}
         for ev in evaluations:
             r, s = row(ev), row(simulated[ev.candidate.name])
             c = row(again[ev.candidate.name]) if ev.candidate.name in again else None
+            o = row(old[ev.candidate.name]) if ev.candidate.name in old else None
             out = {"scenario": scenario, "load": load, "config": ev.candidate.name}
             if ratios and _key(ev.candidate.overrides) in ratios:
                 out["speed_ratios"] = ratios[_key(ev.candidate.overrides)]
@@ -151,6 +166,8 @@ def compare_rows(scenario: str, real: dict, sim: dict, corrected: dict | None = 
                 out[metric] = {"measured": m, "simulated": p, "error": err(p, m)}
                 if c is not None:
                     out[metric].update(corrected=c[metric], corrected_error=err(c[metric], m))
+                if o is not None:
+                    out[metric].update(plain=o[metric], plain_error=err(o[metric], m))
             rows.append(out)
     return rows
 
@@ -192,6 +209,12 @@ def markdown(rows: list[dict], meta: dict) -> str:
                "same medians taken. "
                "The first is what an older profile predicts; the second, how well the simulator models the steps at "
                "the machine's speed of the moment.", ""]
+    plain = any(r[m].get("plain_error") is not None for r in rows for m, _ in METRICS)
+    if plain:
+        md += _summary(rows, "plain_error", "Without the knee and the step noise")
+        md += ["*Without the knee and the step noise*: the same real runs against the simulator as it was before "
+               "both (each profile's forward pass refitted to its timed steps without a knee; no spread, no in-load "
+               "scale; not speed-corrected): what they change, measured on one set of real runs.", ""]
     runs = [x for r in rows for x in r.get("speed_ratios", [])]
     if runs:
         def span(k):
@@ -208,7 +231,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
             md.append(f"| {c['before']} | {c['date']} | " + " | ".join(f"{c.get(k, float('nan')):,.1f}"
                                                                        for k in PROBE) + " |")
         md.append("")
-    what = "real / sim (err)" + (" / corrected (err)" if corrected else "")
+    what = "real / sim (err)" + (" / corrected (err)" if corrected else "") + (" / plain (err)" if plain else "")
     head = " | ".join(f"{name} {what}" for _, name in METRICS)
     md += [f"| load | configuration | {head} |", "|---" * (len(METRICS) + 2) + "|"]
 
@@ -222,6 +245,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
             cell = f"{c['measured']:,.1f} / {c['simulated']:,.1f} ({pct(c['error'])})"
             if "corrected" in c:
                 cell += f" / {c['corrected']:,.1f} ({pct(c['corrected_error'])})"
+            if "plain" in c:
+                cell += f" / {c['plain']:,.1f} ({pct(c['plain_error'])})"
             cells.append(cell)
         md.append(f"| {r['load']} | {r['config']} | " + " | ".join(cells) + " |")
     return "\n".join(md) + "\n"
@@ -264,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         corrected = run_compare(name, None, [], base, str(out / "sim-corrected" / name), None, args.seed,
                                 args.max_duration, RescaledSim(rescaled_profiles(calibrated, ratios), base.scheduler),
                                 repeats=args.repeats)
-        rows += compare_rows(name, real, sim, corrected, ratios)
+        plain = run_compare(name, None, [], base, str(out / "sim-plain" / name), None, args.seed, args.max_duration,
+                            SimEvaluator(profile_from_dict(plain_profile(calibrated), "plain profile"), base.scheduler))
+        rows += compare_rows(name, real, sim, corrected, ratios, plain)
     meta = {"profile": describe(profile), "date": time.strftime("%Y-%m-%d %H:%M"), "repeats": args.repeats,
             "calibrations": calibrations,
             "command": "benchmarks/sim_accuracy.py " + " ".join(argv if argv is not None else sys.argv[1:]),
