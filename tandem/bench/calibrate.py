@@ -3,14 +3,12 @@
 Two measurements:
 
 1. The forward pass: each step of the designed set (``tandem.sim.design``: prompt chunks,
-   decode batches at several contexts, mixed steps) runs on the model runner ``repeats`` times,
-   round by round, after one untimed run (its one-time costs), and the median counts. The
-   step-time model is fitted to them with its own fit, with the knee that fits best. Each run over
-   its step's median is a sample of the machine's spread (``step_noise``, ``tandem.sim.noise``).
+   decode batches at several contexts, mixed steps) runs on the model runner ``repeats`` times
+   after one untimed run (its one-time costs), and the median counts. The step-time model is
+   fitted to them with its own fit.
 2. The engine's time per step beyond the forward pass (scheduling, sampling, detokenizing, the
    loop that feeds it): a short real engine run, where each step's cycle (its start to the next
-   step's start) less its forward pass is fitted with the same model. The same run's forward
-   passes over their fitted prediction give ``in_load_scale`` (their median).
+   step's start) less its forward pass is fitted with the same model.
 
 The designed steps write only into a fresh KV cache no request reads.
 """
@@ -26,20 +24,18 @@ import time
 from pathlib import Path
 
 from tandem.bench.speed_check import check_matches, measure, reference, rescaled, speed_check
-from tandem.runner.step_timing import time_step_samples
+from tandem.runner.step_timing import time_steps
 from tandem.config import EngineConfig
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.step import KVLayout
 from tandem.kernels.cpu_features import cpu_model
-from tandem.core.step_time import StepCost, features
 from tandem.sim.design import Spans, compact, design, fit_shapes, relative_errors
-from tandem.sim.noise import spread
 from tandem.sim.profile import SCHEMA, profile_from_dict, read_json
 
 
-def load_steps(config: EngineConfig, loaded, num_requests: int, seed: int) -> list:
-    """The steps (``StepStats``, each followed by the next) of a short run of the chunked policy:
-    prompts of 16 to 112 random tokens, 16 tokens out each, all sent at once."""
+def overhead_steps(config: EngineConfig, loaded, num_requests: int, seed: int) -> list[tuple[Spans, float]]:
+    """(step, its cycle less its forward pass) over a short run of the chunked policy: prompts of
+    16 to 112 random tokens, 16 tokens out each, all sent at once."""
     from tandem.build import engine_for
 
     engine = engine_for(dataclasses.replace(config, scheduler=dataclasses.replace(
@@ -51,20 +47,8 @@ def load_steps(config: EngineConfig, loaded, num_requests: int, seed: int) -> li
         engine.add_request([rng.randrange(1, vocab) for _ in range(rng.randint(16, 112))], params)
     while engine.has_unfinished_requests():
         engine.step()
-    return list(engine.step_stats)
-
-
-def overhead_steps(steps: list) -> list[tuple[Spans, float]]:
-    """(step, its cycle less its forward pass) of each step of a load that another follows."""
+    steps = list(engine.step_stats)
     return [(a.spans(), b.start - a.start - a.forward_seconds) for a, b in zip(steps, steps[1:]) if a.chunks]
-
-
-def in_load_scale(steps: list, forward: StepCost) -> float:
-    """The median of a load's forward passes over what ``forward`` predicts for them: above 1 when
-    the steps of a real load run slower than the same shapes timed back to back."""
-    ratios = [s.forward_seconds / p for s in steps if s.chunks and s.forward_seconds > 0
-              and (p := forward.predict(features(s.spans()))) > 0]
-    return statistics.median(ratios) if ratios else 1.0
 
 
 def run_calibrate(cfg, config: EngineConfig, loaded=None) -> dict:
@@ -89,18 +73,16 @@ def run_calibrate(cfg, config: EngineConfig, loaded=None) -> dict:
     runner = ModelRunner(loaded.model, layout, loaded.device, loaded.dtype, config.model.seed)
     with Progress(transient=True) as bar:
         task = bar.add_task("calibrate: designed steps", total=len(shapes))
-        samples = time_step_samples(runner, layout, shapes, cfg.repeats, lambda n: bar.update(task, completed=n))
+        timed = time_steps(runner, layout, shapes, cfg.repeats, lambda n: bar.update(task, completed=n))
         del runner  # its KV cache; the overhead run builds its own
         bar.add_task("calibrate: engine overhead", total=None)
-        load = load_steps(config, loaded, cfg.overhead_requests, config.model.seed)
+        extra = overhead_steps(config, loaded, cfg.overhead_requests, config.model.seed)
         bar.add_task("calibrate: speed check reference", total=None)
         probe = reference(loaded, layout.block_size)
-    timed = [(spans, statistics.median(runs)) for spans, runs in samples]
-    extra = overhead_steps(load)
     forward = fit_shapes(timed)
     # what is left of a cycle after the forward pass is small and noisy; a cycle shorter than its
-    # forward pass (timer noise) says nothing about it; bookkeeping has no weight-read floor
-    overhead = fit_shapes([(s, x) for s, x in extra if x > 0], knees=(0.0,))
+    # forward pass (timer noise) says nothing about it
+    overhead = fit_shapes([(s, x) for s, x in extra if x > 0])
     errors = [abs(e) for e in relative_errors(forward, timed)]
     dtype = str(loaded.dtype).removeprefix("torch.")
     machine = _machine(loaded)
@@ -115,16 +97,10 @@ def run_calibrate(cfg, config: EngineConfig, loaded=None) -> dict:
         "model": loaded.name, "dtype": dtype, "quantization": loaded.quantization,
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "speed_probe_ms": probe,
-        "in_load_scale": in_load_scale(load, forward),
         "fit": {"steps": len(timed), "median_abs_error": statistics.median(errors), "max_abs_error": max(errors),
                 "overhead_steps": len(extra), "repeats": cfg.repeats,
                 "timed": [{"spans": compact(s), "seconds": x} for s, x in timed]},
     }
-    ratios = spread([runs for _, runs in samples])
-    if ratios:
-        profile["step_noise"] = {"ratios": [round(r, 4) for r in ratios],
-                                 "source": f"{len(samples)} designed steps x {cfg.repeats} runs round by round, "
-                                           "each over its step's median"}
     if cfg.device_out:
         _write(Path(cfg.device_out), device_description(loaded, dtype, machine, overhead.base))
     profile_from_dict(profile, "calibrate")  # what is written must load

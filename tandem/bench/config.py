@@ -247,13 +247,9 @@ class SimulateConfig:
     goodput: tuple[str, ...] = field(default=(), metadata=_help(
         "SLOs for goodput, e.g. ttft:2000 tpot:300 (milliseconds)", nargs="+"))
     result_dir: str = field(default="simulate-results", metadata=_help("where the report goes"))
-    seed: int = field(default=0, metadata=_help(
-        "seed of the requests and of the step-time noise (the same for every configuration)"))
+    seed: int = field(default=0, metadata=_help("seed of the requests (the same for every configuration)"))
     max_duration: float = field(default=36000.0, metadata=_help(
         "virtual seconds each configuration may run"))
-    noise: bool = field(default=True, metadata=_help(
-        "draw each step's time from the measured profile's spread and in-load scale (--no-noise: every step "
-        "costs its prediction)"))
 
 
 @dataclass(frozen=True)
@@ -263,9 +259,8 @@ class CalibrateConfig:
     repeats: int = field(default=5, metadata=_help("timed runs of each designed step; the median counts"))
     max_chunk: int = field(default=2048, metadata=_help("largest prompt chunk in the designed steps"))
     max_batch: int = field(default=64, metadata=_help("largest decode batch in the designed steps"))
-    overhead_requests: int = field(default=32, metadata=_help(
-        "requests of the short engine run that measures the time per step beyond the forward pass and how "
-        "much slower a real load's steps run than the designed ones"))
+    overhead_requests: int = field(default=16, metadata=_help(
+        "requests of the short engine run that measures the time per step beyond the forward pass"))
     device_out: str | None = field(default=None, metadata=_help(
         "also write a roofline device description of this machine from its measured peaks to this file"))
     rescale: str | None = field(default=None, metadata=_help(

@@ -18,24 +18,18 @@ from tandem.bench.compare import run_compare
 from tandem.bench.config_keys import split_routing
 from tandem.config import EngineConfig, SchedulerConfig, ServerConfig
 from tandem.sim import SimTokenizer, sim_engine
-from tandem.sim.noise import StepNoise
-from tandem.sim.profile import Profile, describe, has_noise, load_profile
+from tandem.sim.profile import Profile, describe, load_profile
 from tandem.sim.replicas import ReplicatedSimEngine
 
 
 class SimEvaluator:
     """The evaluator compare and tune measure through (``tandem.bench.evaluate``), on the simulator."""
 
-    def __init__(self, profile: Profile, base: SchedulerConfig | None = None, noise: bool = True,
-                 seed: int = 0) -> None:
-        """``noise``: draw each step's forward time from the profile's measured spread and in-load
-        scale (``tandem.sim.noise``), from ``seed``: every configuration sees the same draws."""
+    def __init__(self, profile: Profile, base: SchedulerConfig | None = None) -> None:
         self.profile = profile
         self.base = base or SchedulerConfig()
-        self.noise = noise
-        self.seed = seed
         self.tokenizer = SimTokenizer(profile.vocab_size)
-        self.meta = {"simulated": True, "profile": describe(profile, noise), "profile_info": profile.info}
+        self.meta = {"simulated": True, "profile": describe(profile), "profile_info": profile.info}
 
     def profile_for(self, overrides: dict) -> Profile:
         """The profile a configuration's steps are priced by (one for all of them here)."""
@@ -48,16 +42,15 @@ class SimEvaluator:
         own, routing = split_routing(overrides)
         config = dataclasses.replace(self.base, **own)
 
-        def one(i: int = 0):
-            noise = StepNoise(p.noise_ratios, p.in_load_scale, self.seed + i) if self.noise and has_noise(p) else None
+        def one():
             return sim_engine(config, p.cost, p.num_kv_blocks, p.block_size, p.max_model_len, overhead=p.overhead,
-                              prior=p.prior, vocab_size=p.vocab_size, add_bos=p.add_bos, noise=noise)
+                              prior=p.prior, vocab_size=p.vocab_size, add_bos=p.add_bos)
 
         if not routing:
             return one()
         r = ServerConfig(**routing)
         r.validate()
-        return ReplicatedSimEngine([one(i) for i in range(r.replicas)], r.routing, r.routing_imbalance_tokens,
+        return ReplicatedSimEngine([one() for _ in range(r.replicas)], r.routing, r.routing_imbalance_tokens,
                                    r.routing_stats_period)
 
 
@@ -66,7 +59,7 @@ def run_simulate(cfg, scheduler: SchedulerConfig | None = None) -> dict:
     if not cfg.profile:
         raise ValueError("profile: required (a profile file from `tandem calibrate`, or DEVICE/MODEL such as "
                          "h100-sxm/llama-3.1-8b)")
-    evaluator = SimEvaluator(load_profile(cfg.profile), scheduler, cfg.noise, cfg.seed)
+    evaluator = SimEvaluator(load_profile(cfg.profile), scheduler)
     base = EngineConfig(scheduler=evaluator.base)
     return run_compare(None if cfg.workload else cfg.scenario, cfg.workload, list(cfg.configs), base,
                        cfg.result_dir, list(cfg.goodput), cfg.seed, cfg.max_duration, evaluator=evaluator)

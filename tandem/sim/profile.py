@@ -25,14 +25,13 @@ from tandem.models.spec import ModelSpec
 from tandem.sim import Cost
 from tandem.sim.design import design, fit_cost
 from tandem.sim.roofline import DEVICE_FIELDS, DTYPE_BYTES, Device, RooflineCost, kv_blocks
-from tandem.sim.schema import (SchemaError, boolean, integer, mapping, name_or, number, number_map, numbers, text,
-                               validate)
+from tandem.sim.schema import SchemaError, boolean, integer, mapping, name_or, number, number_map, text, validate
 
 SCHEMA = "tandem-sim-profile/1"
 SHIPPED = Path(__file__).parent / "profiles"
 KINDS = ("measured", "roofline")
 
-COEFFICIENTS = mapping({**{t: (number(), True) for t in TERMS}, "knee": (number(), False)})
+COEFFICIENTS = mapping({t: (number(), True) for t in TERMS})
 _COMMON = {
     "schema": (text((SCHEMA,)), True),
     "kind": (text(KINDS), True),
@@ -60,8 +59,6 @@ MEASURED = mapping({
     "speed_check": (mapping({"ratio": (number(0, strict=True), True),
                              "prefill_ratio": (number(0, strict=True), False),
                              "decode_ratio": (number(0, strict=True), False)}, extra=True), False),
-    "step_noise": (mapping({"ratios": (numbers(0, strict=True), True), "source": (text(), False)}), False),
-    "in_load_scale": (number(0, strict=True), False),
     "peaks": (mapping({"flops_per_s": (number(0, strict=True), True),
                        "bytes_per_s": (number(0, strict=True), True)}), False),
 })
@@ -90,10 +87,6 @@ class Profile:
     """What the report says about the profile (kind, source, machine or device, model)."""
     add_bos: bool = True
     """Whether the model's tokenizer puts a BOS token before each prompt (most do)."""
-    noise_ratios: tuple[float, ...] = ()
-    """A measured step's time over its typical time, sampled (``tandem.sim.noise``); none: no noise."""
-    in_load_scale: float = 1.0
-    """How much slower (above 1) a real load's steps ran than the same shapes timed back to back."""
 
 
 def read_json(path: Path, what: str) -> Any:
@@ -155,14 +148,13 @@ def profile_from_dict(d: Any, source: str = "profile", base: Path = Path(".")) -
 def _measured(d: dict) -> Profile:
     forward = StepCost(**d["forward"])
     overhead = StepCost(**d["overhead"])
-    prior = StepCost(*(a + b for a, b in zip(forward.vector(), overhead.vector())), knee=forward.knee)
+    prior = StepCost(*(a + b for a, b in zip(forward.vector(), overhead.vector())))
     info = {"profile": d["name"], "kind": "measured", "machine": d["machine"], "model": d["model"],
             "dtype": d["dtype"], "quantization": d["quantization"], "date": d["date"]}
     if "speed_check" in d:
         info["speed_check"] = d["speed_check"]
     return Profile(d["name"], "measured", forward, prior, d["kv_num_blocks"], d.get("block_size", 16),
-                   d["max_model_len"], overhead, d.get("vocab_size", 1000), info, d.get("add_bos", True),
-                   tuple((d.get("step_noise") or {}).get("ratios", ())), d.get("in_load_scale", 1.0))
+                   d["max_model_len"], overhead, d.get("vocab_size", 1000), info, d.get("add_bos", True))
 
 
 def _roofline(d: dict, base: Path) -> Profile:
@@ -185,25 +177,13 @@ def _roofline(d: dict, base: Path) -> Profile:
                    d.get("add_bos", True))
 
 
-def has_noise(profile: Profile) -> bool:
-    """Whether the profile measured a spread or an in-load scale for its steps."""
-    return bool(profile.noise_ratios) or profile.in_load_scale != 1.0
-
-
-def describe(profile: Profile, noise: bool = True) -> str:
-    """One line for the report: which profile, of what kind, measured or derived where, and (unless
-    ``noise`` is off) the spread its steps are drawn with."""
+def describe(profile: Profile) -> str:
+    """One line for the report: which profile, of what kind, measured or derived where."""
     i = profile.info
     if profile.kind == "measured":
         check = i.get("speed_check")
         rescaled = f", rescaled x{check['ratio']:.3f} by a speed check {check.get('date', '')}" if check else ""
-        spread = ""
-        if has_noise(profile):
-            r = sorted(profile.noise_ratios) or [1.0]
-            spread = (f"; each step drawn from its measured spread (p90 x{r[9 * (len(r) - 1) // 10]:.2f}, "
-                      f"{len(profile.noise_ratios)} samples) x{profile.in_load_scale:.3f} in load"
-                      if noise else "; step noise off")
         return (f"measured profile {profile.name!r}: {i['model']} ({i['dtype']}, quantization {i['quantization']}) "
-                f"on {i['machine']}, calibrated {i['date']}{rescaled}{spread}")
+                f"on {i['machine']}, calibrated {i['date']}{rescaled}")
     return (f"roofline profile {profile.name!r}: {i['model']} in {i['dtype']} on {i['device']} "
             f"({i['kv_tokens']:,} KV tokens)")

@@ -13,7 +13,6 @@ from tandem.core.step import KVLayout, RunnerOutput, SampledToken, SchedulerOutp
 # The cost of a simulated step is the step-time model's formula with known coefficients, so the
 # engine's online fit of it can be checked against the truth.
 from tandem.core.step_time import StepCost  # noqa: F401  (re-exported by tandem.sim)
-from tandem.sim.noise import StepNoise
 
 
 
@@ -39,21 +38,16 @@ class SimRunner:
     """Advances the virtual clock by the step's cost and samples a token that is never EOS.
 
     ``overhead``: the engine's time per step beyond the forward pass (scheduling, sampling,
-    detokenizing, the serving loop), on the clock but not in ``forward_seconds``, as on a real engine.
-    ``noise``: each forward pass's time is multiplied by its next factor (``tandem.sim.noise``)."""
+    detokenizing, the serving loop), on the clock but not in ``forward_seconds``, as on a real engine."""
 
-    def __init__(self, clock: VirtualClock, cost: Cost, vocab_size: int = 1000, overhead: Cost | None = None,
-                 noise: StepNoise | None = None) -> None:
+    def __init__(self, clock: VirtualClock, cost: Cost, vocab_size: int = 1000, overhead: Cost | None = None) -> None:
         self.clock = clock
         self.cost = cost
         self.overhead = overhead
         self.vocab_size = vocab_size
-        self.noise = noise
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         seconds = self.cost.seconds(out)
-        if self.noise is not None:
-            seconds *= self.noise.factor()
         extra = self.overhead.seconds(out) if self.overhead is not None else 0.0
         self.clock.advance(seconds + extra)
         sampled = {c.request_id: SampledToken(1 + (c.end % (self.vocab_size - 1)))
@@ -97,17 +91,15 @@ class SimTokenizer:
 
 def sim_engine(config: SchedulerConfig, cost: Cost, num_kv_blocks: int = 4096, block_size: int = 16,
                max_model_len: int = 16384, overhead: Cost | None = None, prior: StepCost | None = None,
-               vocab_size: int = 1000, add_bos: bool = False, noise: StepNoise | None = None) -> Engine:
+               vocab_size: int = 1000, add_bos: bool = False) -> Engine:
     """``prior``: the step-time model's start-up estimate; by default the true cost of a step
     (what a perfect start-up estimate gives), which needs ``cost`` and ``overhead`` to be StepCosts.
-    ``add_bos``: prompts get a BOS token, as the profiled model's tokenizer gives them.
-    ``noise``: the spread each step's forward time is drawn with (none: every step its cost)."""
+    ``add_bos``: prompts get a BOS token, as the profiled model's tokenizer gives them."""
     clock = VirtualClock()
     if prior is None:
         parts = [c for c in (cost, overhead) if c is not None]
         if not all(isinstance(c, StepCost) for c in parts):
             raise ValueError("prior: a cost that is not a StepCost needs a StepCost prior for the step-time model")
-        prior = StepCost(*(sum(v) for v in zip(*(c.vector() for c in parts))),  # type: ignore[attr-defined]
-                         knee=cost.knee)  # type: ignore[attr-defined]
-    return Engine(config, SimRunner(clock, cost, vocab_size, overhead, noise), SimTokenizer(vocab_size, add_bos),
+        prior = StepCost(*(sum(v) for v in zip(*(c.vector() for c in parts))))  # type: ignore[attr-defined]
+    return Engine(config, SimRunner(clock, cost, vocab_size, overhead), SimTokenizer(vocab_size, add_bos),
                   KVLayout(num_kv_blocks, block_size), max_model_len, clock=clock, step_prior=prior)

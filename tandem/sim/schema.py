@@ -78,18 +78,6 @@ def number_map(minimum: float = 0.0, strict: bool = True) -> Rule:
     return check
 
 
-def numbers(minimum: float = 0.0, strict: bool = True) -> Rule:
-    """A non-empty JSON array of numbers (a measured spread)."""
-    each = number(minimum, strict)
-
-    def check(path: str, v: Any) -> None:
-        if not isinstance(v, list) or not v:
-            raise SchemaError(f"{path}: must be a non-empty JSON array of numbers, got {v!r}")
-        for i, value in enumerate(v):
-            each(f"{path}[{i}]", value)
-    return check
-
-
 def name_or(rule: Rule, what: str) -> Rule:
     """A string (a shipped name or a file path, resolved later) or an inline value ``rule`` checks."""
     def check(path: str, v: Any) -> None:
