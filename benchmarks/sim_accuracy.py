@@ -128,12 +128,23 @@ def rescaled_profiles(profile: dict, ratios: dict[str, list[dict[str, float]]]) 
 
 
 def plain_profile(calibrated: dict) -> dict:
-    """``calibrated`` as the simulator priced steps before the knee and the step noise: its forward
-    pass refitted to the same timed steps without a knee, no spread, no in-load scale."""
-    d = {k: v for k, v in calibrated.items() if k not in ("step_noise", "in_load_scale")}
+    """``calibrated`` as the simulator priced steps before the knee: its forward pass refitted to
+    the same timed steps without one."""
+    d = dict(calibrated)
     timed = [([(s, n) for s, n, c in t["spans"] for _ in range(c)], t["seconds"]) for t in calibrated["fit"]["timed"]]
     d["forward"] = dataclasses.asdict(fit_shapes(timed, knees=(0.0,)))
     return d
+
+
+def run_to_run(values: list[float]) -> float:
+    """The median over the real runs of one configuration of each run's relative difference from
+    the median of the others: how well one measurement predicts the next on this machine."""
+    errs = []
+    for i, v in enumerate(values):
+        rest = statistics.median(values[:i] + values[i + 1:])
+        if rest:
+            errs.append(abs(v - rest) / rest)
+    return statistics.median(errs)
 
 
 def compare_rows(scenario: str, real: dict, sim: dict, corrected: dict | None = None,
@@ -161,9 +172,13 @@ def compare_rows(scenario: str, real: dict, sim: dict, corrected: dict | None = 
             out = {"scenario": scenario, "load": load, "config": ev.candidate.name}
             if ratios and _key(ev.candidate.overrides) in ratios:
                 out["speed_ratios"] = ratios[_key(ev.candidate.overrides)]
+            runs = getattr(ev, "runs", None) or []
             for metric, _ in METRICS:
                 m, p = r[metric], s[metric]
                 out[metric] = {"measured": m, "simulated": p, "error": err(p, m)}
+                values = [x[metric] for x in runs if x.get(metric) is not None]
+                if len(values) > 1:
+                    out[metric].update(runs=values, run_to_run=run_to_run(values))
                 if c is not None:
                     out[metric].update(corrected=c[metric], corrected_error=err(c[metric], m))
                 if o is not None:
@@ -177,13 +192,13 @@ def _errors(rows: list[dict], key: str, metric: str | None = None) -> list[tuple
             if (metric is None or m == metric) and r[m].get(key) is not None]
 
 
-def _summary(rows: list[dict], key: str, what: str) -> list[str]:
+def _summary(rows: list[dict], key: str, what: str, target: str = "(target <= 10%)") -> list[str]:
     errors = _errors(rows, key)
     if not errors:
         return []
     e, r, m = max(errors, key=lambda t: t[0])
-    md = [f"**{what}: median |error| over every metric and configuration {100 * statistics.median(x for x, _, _ in errors):.1f}%** "
-          f"(target <= 10%); worst {100 * e:.0f}% ({dict(METRICS)[m]}, {r['load']}, {r['config']})."]
+    md = [f"**{what}: median |error| over every metric and configuration {100 * statistics.median(x for x, _, _ in errors):.1f}%**"
+          f"{' ' + target if target else ''}; worst {100 * e:.0f}% ({dict(METRICS)[m]}, {r['load']}, {r['config']})."]
     for metric, name in METRICS:
         es = [x for x, _, _ in _errors(rows, key, metric)]
         if es:
@@ -209,12 +224,18 @@ def markdown(rows: list[dict], meta: dict) -> str:
                "same medians taken. "
                "The first is what an older profile predicts; the second, how well the simulator models the steps at "
                "the machine's speed of the moment.", ""]
+    floor = _errors(rows, "run_to_run")
+    if floor:
+        md += _summary(rows, "run_to_run", "Real run to real run", target="")
+        md += ["*Real run to real run*: each real run of a configuration against the median of its other runs "
+               "(`run_to_run`): how far apart two measurements of the same configuration land on this machine, "
+               "the noise any prediction of one run is judged against.", ""]
     plain = any(r[m].get("plain_error") is not None for r in rows for m, _ in METRICS)
     if plain:
-        md += _summary(rows, "plain_error", "Without the knee and the step noise")
-        md += ["*Without the knee and the step noise*: the same real runs against the simulator as it was before "
-               "both (each profile's forward pass refitted to its timed steps without a knee; no spread, no in-load "
-               "scale; not speed-corrected): what they change, measured on one set of real runs.", ""]
+        md += _summary(rows, "plain_error", "Without the knee")
+        md += ["*Without the knee*: the same real runs against the simulator with each profile's forward pass "
+               "refitted to its timed steps without a knee (`StepCost.knee`; not speed-corrected): what the knee "
+               "changes, measured on one set of real runs.", ""]
     runs = [x for r in rows for x in r.get("speed_ratios", [])]
     if runs:
         def span(k):

@@ -1,6 +1,5 @@
 """The step-time model's knee (a weight-read floor: a fit finds it, predictions and the online fit
-keep it) and the simulator's step noise (a measured spread and in-load scale, drawn from a seed),
-and the calibration's round-by-round timing they are measured from."""
+keep it, profiles validate it) and the calibration's round-by-round timing of designed steps."""
 
 from __future__ import annotations
 
@@ -9,14 +8,10 @@ import random
 
 import pytest
 
-from tandem.bench.config import SimulateConfig
-from tandem.bench.simulate import SimEvaluator, run_simulate
-from tandem.core.sampling_params import SamplingParams
+from tandem.core.step import KVLayout
 from tandem.core.step_time import Observation, StepCost, StepTimeModel, features, fit_knee
 from tandem.runner.step_timing import time_step_samples
-from tandem.core.step import KVLayout
 from tandem.sim.design import design, fit_shapes
-from tandem.sim.noise import StepNoise, spread
 from tandem.sim.profile import SCHEMA, profile_from_dict
 from tandem.sim.schema import SchemaError
 
@@ -74,65 +69,11 @@ def test_the_online_fit_keeps_the_priors_knee():
     assert fit_knee([Observation(x, FLOOR.predict(x))], StepCost(), 0.01, knees=(0.0, 4.0)).knee in (0.0, 4.0)
 
 
-def test_step_noise_draws_from_its_samples_from_a_seed():
-    a, b = StepNoise((0.9, 1.0, 1.5), 2.0, seed=7), StepNoise((0.9, 1.0, 1.5), 2.0, seed=7)
-    draws = [a.factor() for _ in range(200)]
-    assert draws == [b.factor() for _ in range(200)]
-    assert set(draws) == {1.8, 2.0, 3.0}
-    assert StepNoise((), 1.25).factor() == 1.25
-    with pytest.raises(ValueError, match="step_noise"):
-        StepNoise((1.0, 0.0))
-    assert spread([[1.0, 2.0, 4.0], [5.0, 5.0], [3.0, 3.0, 6.0]]) == [0.5, 1.0, 1.0, 1.0, 2.0, 2.0]
-
-
-def _run(profile: dict, noise: bool = True, seed: int = 0):
-    engine = SimEvaluator(profile_from_dict(profile), noise=noise, seed=seed).engine({"max_num_batched_tokens": 64})
-    for _ in range(4):
-        engine.add_request(list(range(1, 100)), SamplingParams(max_tokens=8, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
-    return engine.step_stats
-
-
-def test_the_simulator_scales_and_draws_each_forward_pass_and_noise_can_be_switched_off():
-    plain = _run(MEASURED)
-    scaled = _run({**MEASURED, "in_load_scale": 2.0})
-    assert [s.spans() for s in scaled] == [s.spans() for s in plain]
-    assert all(s.forward_seconds == pytest.approx(2 * p.forward_seconds) for s, p in zip(scaled, plain))
-    noisy = {**MEASURED, "step_noise": {"ratios": [0.8, 1.0, 1.0, 1.7]}}
-    one, again, other = _run(noisy), _run(noisy), _run(noisy, seed=1)
-    ratios = [s.forward_seconds / p.forward_seconds for s, p in zip(one, plain)]
-    assert {round(r, 9) for r in ratios} <= {0.8, 1.0, 1.7} and len({round(r, 9) for r in ratios}) > 1
-    assert [s.forward_seconds for s in one] == [s.forward_seconds for s in again]
-    assert [s.forward_seconds for s in one] != [s.forward_seconds for s in other]
-    off = _run(noisy, noise=False)
-    assert [s.forward_seconds for s in off] == [s.forward_seconds for s in plain]
-
-
-def test_simulate_with_noise_is_deterministic_for_a_seed_and_says_so(tmp_path):
-    path = tmp_path / "p.json"
-    path.write_text(json.dumps({**MEASURED, "step_noise": {"ratios": [0.9, 1.0, 1.0, 1.4]}, "in_load_scale": 1.1}))
-    out = []
-    for i, noise in enumerate((True, True, False)):
-        cfg = SimulateConfig(scenario="sharegpt-bursty", configs=("policy=chunked,max_num_batched_tokens=256",),
-                             profile=str(path), result_dir=str(tmp_path / f"r{i}"), seed=3, noise=noise)
-        run_simulate(cfg)
-        out.append(json.loads((tmp_path / f"r{i}" / "compare.json").read_text())["configs"][0])
-    strip = lambda r: {k: v for k, v in r.items() if k != "date"}  # noqa: E731
-    assert strip(out[0]) == strip(out[1]) and strip(out[0]) != strip(out[2])
-    md = (tmp_path / "r0" / "compare.md").read_text()
-    assert "each step drawn from its measured spread" in md and "x1.100 in load" in md
-    assert "step noise off" in (tmp_path / "r2" / "compare.md").read_text()
-
-
 @pytest.mark.parametrize("mutate, message", [
-    (lambda d: d.update(step_noise={"ratios": []}), r"step_noise\.ratios: must be a non-empty JSON array"),
-    (lambda d: d.update(step_noise={"ratios": [1.0, -2]}), r"step_noise\.ratios\[1\]: must be a number > 0"),
-    (lambda d: d.update(step_noise={}), r"step_noise\.ratios: is required"),
-    (lambda d: d.update(in_load_scale=0), r"in_load_scale: must be a number > 0"),
     (lambda d: d["forward"].update(knee="high"), r"forward\.knee: must be a number >= 0"),
+    (lambda d: d["forward"].update(knee=-1), r"forward\.knee: must be a number >= 0"),
 ])
-def test_noise_and_knee_schema_errors_name_the_field(mutate, message):
+def test_knee_schema_errors_name_the_field(mutate, message):
     d = json.loads(json.dumps(MEASURED))
     mutate(d)
     with pytest.raises(SchemaError, match=message):

@@ -3,9 +3,9 @@
 Two measurements:
 
 1. The forward pass: each step of the designed set (``tandem.sim.design``: prompt chunks,
-   decode batches at several contexts, mixed steps) runs on the model runner ``repeats`` times
-   after one untimed run (its one-time costs), and the median counts. The step-time model is
-   fitted to them with its own fit.
+   decode batches at several contexts, mixed steps) runs on the model runner ``repeats`` times,
+   round by round, after one untimed run (its one-time costs), and the median counts. The
+   step-time model is fitted to them with its own fit, with the knee that fits best.
 2. The engine's time per step beyond the forward pass (scheduling, sampling, detokenizing, the
    loop that feeds it): a short real engine run, where each step's cycle (its start to the next
    step's start) less its forward pass is fitted with the same model.
@@ -81,8 +81,8 @@ def run_calibrate(cfg, config: EngineConfig, loaded=None) -> dict:
         probe = reference(loaded, layout.block_size)
     forward = fit_shapes(timed)
     # what is left of a cycle after the forward pass is small and noisy; a cycle shorter than its
-    # forward pass (timer noise) says nothing about it
-    overhead = fit_shapes([(s, x) for s, x in extra if x > 0])
+    # forward pass (timer noise) says nothing about it; bookkeeping has no weight-read floor
+    overhead = fit_shapes([(s, x) for s, x in extra if x > 0], knees=(0.0,))
     errors = [abs(e) for e in relative_errors(forward, timed)]
     dtype = str(loaded.dtype).removeprefix("torch.")
     machine = _machine(loaded)

@@ -31,7 +31,7 @@ SCHEMA = "tandem-sim-profile/1"
 SHIPPED = Path(__file__).parent / "profiles"
 KINDS = ("measured", "roofline")
 
-COEFFICIENTS = mapping({t: (number(), True) for t in TERMS})
+COEFFICIENTS = mapping({**{t: (number(), True) for t in TERMS}, "knee": (number(), False)})
 _COMMON = {
     "schema": (text((SCHEMA,)), True),
     "kind": (text(KINDS), True),
@@ -148,7 +148,7 @@ def profile_from_dict(d: Any, source: str = "profile", base: Path = Path(".")) -
 def _measured(d: dict) -> Profile:
     forward = StepCost(**d["forward"])
     overhead = StepCost(**d["overhead"])
-    prior = StepCost(*(a + b for a, b in zip(forward.vector(), overhead.vector())))
+    prior = StepCost(*(a + b for a, b in zip(forward.vector(), overhead.vector())), knee=forward.knee)
     info = {"profile": d["name"], "kind": "measured", "machine": d["machine"], "model": d["model"],
             "dtype": d["dtype"], "quantization": d["quantization"], "date": d["date"]}
     if "speed_check" in d:

@@ -100,6 +100,7 @@ def sim_engine(config: SchedulerConfig, cost: Cost, num_kv_blocks: int = 4096, b
         parts = [c for c in (cost, overhead) if c is not None]
         if not all(isinstance(c, StepCost) for c in parts):
             raise ValueError("prior: a cost that is not a StepCost needs a StepCost prior for the step-time model")
-        prior = StepCost(*(sum(v) for v in zip(*(c.vector() for c in parts))))  # type: ignore[attr-defined]
+        prior = StepCost(*(sum(v) for v in zip(*(c.vector() for c in parts))),  # type: ignore[attr-defined]
+                         knee=cost.knee)  # type: ignore[attr-defined]
     return Engine(config, SimRunner(clock, cost, vocab_size, overhead), SimTokenizer(vocab_size, add_bos),
                   KVLayout(num_kv_blocks, block_size), max_model_len, clock=clock, step_prior=prior)
