@@ -20,15 +20,9 @@ from tandem.sim import SimTokenizer, sim_engine
 from tandem.sim.design import design, fit_shapes
 from tandem.sim.profile import SCHEMA, SHIPPED, load_profile, profile_from_dict, shipped_names
 from tandem.sim.schema import SchemaError
+from profiles import MEASURED
 from tiny_models import save_tiny
 
-MEASURED = {
-    "schema": SCHEMA, "kind": "measured", "name": "t",
-    "forward": {"base": 0.01, "per_token": 0.001, "per_seq": 0.0, "per_context": 0.0, "per_pair": 0.0},
-    "overhead": {"base": 0.002, "per_token": 0.0, "per_seq": 0.0001, "per_context": 0.0, "per_pair": 0.0},
-    "kv_num_blocks": 2048, "block_size": 16, "max_model_len": 4096, "machine": "test cpu", "model": "m",
-    "dtype": "float32", "quantization": "none", "date": "2026-01-01 00:00",
-}
 
 
 @pytest.fixture(scope="module")

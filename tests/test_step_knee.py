@@ -12,19 +12,13 @@ from tandem.core.step import KVLayout
 from tandem.core.step_time import Observation, StepCost, StepTimeModel, features, fit_knee
 from tandem.runner.step_timing import time_step_samples
 from tandem.sim.design import design, fit_shapes
-from tandem.sim.profile import SCHEMA, profile_from_dict
+from tandem.sim.profile import profile_from_dict
 from tandem.sim.schema import SchemaError
+
+from profiles import MEASURED
 
 FLOOR = StepCost(base=0.004, per_token=4e-4, per_seq=2.5e-3, per_context=1e-7, per_pair=1e-9, knee=4.0)
 """Decodes cost the same for 1 to 4 rows, then 2.9 ms a row (the shape measured on an AVX2 Zen 3)."""
-
-MEASURED = {
-    "schema": SCHEMA, "kind": "measured", "name": "t",
-    "forward": {"base": 0.01, "per_token": 0.001, "per_seq": 0.0, "per_context": 0.0, "per_pair": 0.0},
-    "overhead": {"base": 0.002, "per_token": 0.0, "per_seq": 0.0001, "per_context": 0.0, "per_pair": 0.0},
-    "kv_num_blocks": 2048, "block_size": 16, "max_model_len": 4096, "machine": "test cpu", "model": "m",
-    "dtype": "float32", "quantization": "none", "date": "2026-01-01 00:00",
-}
 
 
 def test_the_knee_prices_a_floor_up_to_its_rows_and_each_row_beyond():
