@@ -87,6 +87,7 @@ def measure_peaks(device: str = "cpu", dtype_name: str = "float32", seconds: flo
         from tandem.models.quant import quantize_rows
 
         qweight, scale = quantize_rows(b)
+        qweight = w8a8_kernels.w8a8_weight(qweight)  # the layout its kernel reads
 
         def matmul() -> None:
             w8a8_kernels.gemm_w8a8(a, qweight, scale)

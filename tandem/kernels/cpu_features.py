@@ -127,4 +127,6 @@ def cpu_info() -> CPUInfo:
             amx = bool(torch.cpu._init_amx())
         except (AttributeError, RuntimeError):
             amx = False
+    if not amx:  # tiles the OS does not grant are not usable: no kernel may run them
+        features = features - {"amx_tile", "amx_bf16", "amx_int8"}
     return CPUInfo(model, flags, features, amx, torch.backends.cpu.get_cpu_capability(), vendor)

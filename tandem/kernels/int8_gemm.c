@@ -297,10 +297,15 @@ DEFINE_QBLOCK(2, 4)
 DEFINE_QBLOCK(3, 4)
 DEFINE_QBLOCK(4, 2)
 
-/* K must be a multiple of QBLOCK; xq (M * K bytes) and xs (M * K / QBLOCK floats) are scratch. */
+/* K must be a multiple of QBLOCK; xq (M * K bytes) and xs (M * K / QBLOCK floats) are scratch.
+ * Where tandem_w8a8_packs(N, K), w is in the AMX tiles' layout and the product runs there. */
 void tandem_team_gemm_w8a8(const float *x, const int8_t *w, const float *scale, float *y, long M, long N, long K,
                            int8_t *xq, float *xs) {
     quantize_rows_i8(x, xq, xs, M, K);
+    if (tandem_w8a8_packs(N, K)) {
+        tandem_team_gemm_w8a8_amx(xq, xs, w, scale, y, M, N, K);
+        return;
+    }
     Inputs in = {NULL, xq, xs, K};
     TEAM_TILES(q, &in, w, scale, y, M, N);
 }
@@ -310,6 +315,11 @@ void tandem_gemm_w8a8(const float *x, const int8_t *w, const float *scale, float
     /* A decode step's few rows are quicker to round here than to hand to the threads. */
 #pragma omp parallel if (M * K >= 16384)
     quantize_rows_i8(x, xq, xs, M, K);
+    if (tandem_w8a8_packs(N, K)) {
+#pragma omp parallel
+        tandem_team_gemm_w8a8_amx(xq, xs, w, scale, y, M, N, K);
+        return;
+    }
     Inputs in = {NULL, xq, xs, K};
     RUN_TILES(q, &in, w, scale, y, M, N);
 }

@@ -34,7 +34,7 @@ from tandem.paths import default_cache_dir
 log = logging.getLogger("tandem.kernels")
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("int8_gemm.c", "int4_gemm.c", "cpu_ops.c", "decode_attention.c", "bf16_ops.c", "decode_layers.c",
+    for name in ("int8_gemm.c", "amx_w8a8.c", "int4_gemm.c", "cpu_ops.c", "decode_attention.c", "bf16_ops.c", "decode_layers.c",
                  "threads.c")
 )
 LIBRARY = "tandem_kernels"
@@ -52,11 +52,14 @@ class Variant:
 
 
 # Best first. Each adds to the one below; the sources pick their code paths from the compiler's
-# own macros (__AVX512F__, __AVX512VNNI__), so one source serves every variant. Never
+# own macros (__AVX512F__, __AVX512VNNI__, __AMX_INT8__), so one source serves every variant. Never
 # -march=native: the cache directory may be shared by machines of different kinds.
+_AVX512 = ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni")
 VARIANTS = (
-    Variant("avx512", ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                       "-mavx512vnni"), ("avx2", "avx512", "avx512_vnni")),
+    # the w8a8 products on AMX int8 tiles (amx_w8a8.c); needs the OS's tile permission, which
+    # cpu_features asks for before it counts the AMX features as usable
+    Variant("amx", (*_AVX512, "-mamx-tile", "-mamx-int8"), ("avx2", "avx512", "avx512_vnni", "amx_tile", "amx_int8")),
+    Variant("avx512", _AVX512, ("avx2", "avx512", "avx512_vnni")),
     Variant("avx2", ("-mavx2", "-mfma", "-mf16c"), ("avx2",)),
 )
 VARIANT_NAMES = tuple(v.name for v in VARIANTS)
@@ -119,6 +122,7 @@ _SIGNATURES = {
     "tandem_set_threads": ([_INT], None),
     "tandem_gemm_i8": ([_PTR, _PTR, _PTR, _PTR, _SIZE, _SIZE, _SIZE], None),
     "tandem_gemm_w8a8": ([_PTR, _PTR, _PTR, _PTR, _SIZE, _SIZE, _SIZE, _PTR, _PTR], None),
+    "tandem_w8a8_packs": ([_SIZE, _SIZE], _SIZE),
     "tandem_dequant_i8": ([_PTR, _PTR, _PTR, _SIZE, _SIZE, _SIZE], None),
     "tandem_gemm_i4": ([_PTR, _PTR, _PTR, _PTR, _SIZE, _SIZE, _SIZE], None),
     "tandem_dequant_i4": ([_PTR, _PTR, _PTR, _SIZE, _SIZE, _SIZE], None),
@@ -175,14 +179,19 @@ def best() -> "Kernels | None":
         _why_off.append("this CPU has no AVX2")
         log.info("native kernels off: this CPU has no AVX2")
         return None
-    try:
-        kernels = load(candidates[0].name)
-    except RuntimeError as exc:
-        _why_off.append(str(exc).splitlines()[0])
-        log.warning("native kernels off, using the plain torch path: %s", exc)
-        return None
-    log.info("native kernels: %s", kernels.isa.name)
-    return kernels
+    for i, candidate in enumerate(candidates):
+        try:
+            kernels = load(candidate.name)
+        except RuntimeError as exc:
+            _why_off.append(str(exc).splitlines()[0])
+            if i + 1 < len(candidates):  # e.g. a compiler too old for the AMX flags
+                log.warning("the %s kernels are off, trying %s: %s", candidate.name, candidates[i + 1].name, exc)
+                continue
+            log.warning("native kernels off, using the plain torch path: %s", exc)
+            return None
+        log.info("native kernels: %s", kernels.isa.name)
+        return kernels
+    return None
 
 
 def available() -> bool:
@@ -275,13 +284,37 @@ class Kernels:
         lib.tandem_gemm_i8(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k)
         return y
 
+    def w8a8_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """int8 ``weight`` [N, K] in the layout this variant's w8a8 kernel reads: itself, or where
+        the AMX tiles multiply it (``tandem_w8a8_packs``) a packed copy [N / 16, K / 32, 8, 64]
+        (amx_w8a8.c): for weight rows 16 t + n and block b, ``[t, b, k4, 4 n + r]`` holds
+        ``weight[16 t + n, 32 b + 4 k4 + r]``."""
+        n, k = weight.shape
+        if not self._cdll.tandem_w8a8_packs(n, k):
+            return weight
+        return weight.view(n // 16, 16, k // 32, 8, 4).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 8, 64).contiguous()
+
+    def w8a8_shape(self, weight: torch.Tensor) -> tuple[int, int]:
+        """(N, K) of a weight from ``w8a8_weight``; ValueError for an [N, K] weight this variant
+        wants packed (passing it would multiply the wrong bytes)."""
+        if weight.dim() == 4:
+            return weight.shape[0] * 16, weight.shape[1] * 32
+        n, k = weight.shape
+        if self._cdll.tandem_w8a8_packs(n, k):
+            raise ValueError(f"gemm_w8a8: the {self.isa.name} kernels take this weight packed: "
+                             "pass Kernels.w8a8_weight(weight)")
+        return n, k
+
     def gemm_w8a8(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """As ``gemm_i8`` with ``x`` rounded to int8 per block of 32 values (K a multiple of 32)."""
+        """As ``gemm_i8`` with ``x`` rounded to int8 per block of 32 values (K a multiple of 32);
+        ``weight`` as ``w8a8_weight`` gives it."""
         lib = self._lib()
         m, k = x.shape
-        n = weight.shape[0]
+        n, wk = self.w8a8_shape(weight)
         if k % 32:
             raise ValueError(f"gemm_w8a8: K must be a multiple of 32, got {k}")
+        if wk != k:
+            raise ValueError(f"gemm_w8a8: the weight has K={wk}, the input {k}")
         y = torch.empty(m, n, dtype=torch.float32)
         xq = _w8a8_scratch(m * k)
         # the rounded inputs (m * k bytes), then their scales (m * k / 32 floats), 64-byte aligned

@@ -99,7 +99,7 @@ class DecodeLayers:
             lins = {}
             for name, lin in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                               ("down", mlp.down_proj)):
-                lins[name] = abi.QLinear(lin.qweight.data_ptr(), lin.scale.data_ptr(), lin.out_features,
+                lins[name] = abi.QLinear(lin.qweight.data_ptr(), lin.scale.data_ptr(), lin.out_features,  # kernel layout
                                          lin.in_features)
             norm_in = layer.input_layernorm
             if self.sandwich:

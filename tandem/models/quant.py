@@ -125,8 +125,9 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, w8a
                 kernels: Kernels | None = None) -> torch.Tensor:
     """``x`` [..., K] times int8 ``qweight`` [N, K] (per-row ``scale``) -> float32 [..., N];
     with ``w8a8``, ``x`` is first rounded to int8 per block (see ``quantize_activations``).
-    ``kernels``: the C kernels to use (``OpTable.int8_kernels``; CPU tensors only), or None."""
-    n, k = qweight.shape
+    ``kernels``: the C kernels to use (``OpTable.int8_kernels``; CPU tensors only), or None; with
+    ``w8a8`` and kernels, ``qweight`` is in their layout (``Kernels.w8a8_weight``)."""
+    n, k = qweight.shape if kernels is None or not w8a8 else kernels.w8a8_shape(qweight)
     if (w8a8 and kernels is not None and k % QBLOCK == 0 and x.dim() == 2 and x.dtype == torch.float32
             and x.is_contiguous()):
         return kernels.gemm_w8a8(x, qweight, scale)  # every layer's call in float32: no reshapes
@@ -180,7 +181,11 @@ class Int8Linear(QuantLinear):
         super().__init__(*qweight.shape, bias)
         self.w8a8 = w8a8
         self.kernels = kernels
-        self.register_buffer("qweight", qweight)
+        # w8a8 on the kernels: the weights in the layout their kernel reads (packed for AMX
+        # tiles, else as they are); ``weight_rows`` gives them back as [N, K]
+        weight = kernels.w8a8_weight(qweight) if w8a8 and kernels is not None else qweight
+        self.packed = weight is not qweight
+        self.register_buffer("qweight", weight)
         self.register_buffer("scale", scale)
         self._bf16_weight: TiledBf16Weight | None = None  # w8a8's prompt rows, made at first use
 
@@ -196,13 +201,23 @@ class Int8Linear(QuantLinear):
         buffers = self._buffers
         return int8_matmul(x, buffers["qweight"], buffers["scale"], self.w8a8, self.kernels)
 
+    def weight_rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The int8 weight rows ``ids`` (all rows when None) as [len, K], whatever the layout."""
+        q = self._buffers["qweight"]
+        if not self.packed:
+            return q if ids is None else q[ids]
+        groups = q.view(q.shape[0], q.shape[1], 8, 16, 4)  # [t, b, k4, n, r]: row 16 t + n
+        if ids is None:
+            return groups.permute(0, 3, 1, 2, 4).reshape(self.out_features, self.in_features)
+        return groups[ids // 16, :, :, ids % 16].reshape(*ids.shape, self.in_features)
+
     def _bf16_rows(self, x: torch.Tensor) -> torch.Tensor:
         """``bf16(x) @ q.T`` by oneDNN, ``q`` the int8 weights held exactly as bf16 integers
         (|q| <= 127 fits bf16's 8-bit mantissa), each output column then times its float32
         scale. A row's result depends on its own values only (``TiledBf16Weight``)."""
         q, scale = self._buffers["qweight"], self._buffers["scale"]
         if self._bf16_weight is None or self._bf16_weight.device != q.device:
-            self._bf16_weight = TiledBf16Weight(q.to(torch.bfloat16))
+            self._bf16_weight = TiledBf16Weight(self.weight_rows().to(torch.bfloat16))
         return self._bf16_weight(x, scale)
 
     def _split_rows(self, x: torch.Tensor, split: RowSplit) -> torch.Tensor:
@@ -210,16 +225,16 @@ class Int8Linear(QuantLinear):
         if split.rest is None:
             return self._bf16_rows(x)
         q, scale = self._buffers["qweight"], self._buffers["scale"]
-        y = torch.empty(x.shape[0], q.shape[0], dtype=torch.float32, device=x.device)
+        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
         y.index_copy_(0, split.rest, int8_matmul(x.index_select(0, split.rest), q, scale, True, self.kernels))
         y.index_copy_(0, split.bf16, self._bf16_rows(x.index_select(0, split.bf16)))
         return y
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.qweight[ids].float() * self.scale[ids, None]
+        return self.weight_rows(ids).float() * self.scale[ids, None]
 
     def extra_repr(self) -> str:
-        mode = "w8a8" if self.w8a8 else "int8 weights"
+        mode = ("w8a8, packed for AMX tiles" if self.packed else "w8a8") if self.w8a8 else "int8 weights"
         return f"in_features={self.in_features}, out_features={self.out_features}, {mode}"
 
 

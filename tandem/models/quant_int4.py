@@ -50,6 +50,7 @@ BYTES_PER_WEIGHT = 0.5 + 2 / INT4_GROUP  # the nibble and its share of a float16
 # 512 (it also beat float32 BLAS there), so it serves every call and int4 rows are
 # batch-invariant at every batch size where it runs.
 INT4_ROWS = {"avx512": KernelRows(layers=sys.maxsize, large=sys.maxsize), "avx2": KernelRows(layers=32, large=32)}
+INT4_ROWS["amx"] = INT4_ROWS["avx512"]  # the AMX build runs the AVX-512 int4 kernel
 # Candidate scales, as multiples of the smallest one that keeps every value within half a step.
 SCALE_STEPS = (1.0, 1.025, 1.05, 1.075, 1.1, 1.125, 1.15, 1.175, 1.2, 1.225, 1.25)
 # Weights quantized per pass: the float32 temporaries stay in cache, and memory stays bounded while

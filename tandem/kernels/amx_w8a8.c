@@ -1,0 +1,139 @@
+/* The w8a8 product (int8_gemm.c) on AMX int8 tiles, where the library is built for them
+ * (tandem/kernels/native.py VARIANTS: "amx").
+ *
+ *   y[m, n] = scale[n] * sum_b xs[m, b] * sum_{k in block b} xq[m, k] * w[n, k]
+ *
+ * One tile multiply (tdpbssd) sums the int8 products of up to 16 input rows by 16 weight rows
+ * over one block of QBLOCK = 32 values, exactly, in int32; the block's sums are stored, widened
+ * to float and multiplied by the rows' activation scales with AVX-512, accumulated in registers
+ * over the blocks in order. The VNNI kernel spends a conversion and a float multiply-add for
+ * every 64 products of one (row, weight row) pair; here they cover 512, so at 16 rows the output
+ * head (262,144 x 640) ran in 8 ms instead of 22 (Xeon with AMX, docs/performance.md), and a
+ * single row is bound by reading the weights as before.
+ *
+ * Each (m, n) sums its blocks in the same order whatever the row count, and the block sums are
+ * exact, so a row's result never depends on the rows beside it (batch invariance). It differs
+ * from the VNNI kernel's in float rounding only: that kernel sums partial products per lane
+ * before its final reduction.
+ *
+ * The weights are packed once (tandem.kernels.native.Kernels.w8a8_weight) in the tiles' own
+ * layout: for each group of 16 weight rows and each block, 8 rows of 64 bytes holding four
+ * consecutive k of each of the 16 weight rows,
+ *
+ *   wp[t][b][k4][4 n + r] = w[16 t + n][32 b + 4 k4 + r],
+ *
+ * so each thread streams its share of the weights from memory in order. The OS must have granted
+ * the process the tile state (tandem.kernels.cpu_features asks, as torch does, before the
+ * variant loads).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "team.h"
+
+#define QBLOCK 32
+#define ROWS 16      /* input rows per tile */
+#define GROUP 16     /* weight rows per tile column group */
+#define BLOCK_BYTES 512
+/* The packed weights are read ahead by this many bytes: without it a single row (decode at
+ * batch 1) read them at about three quarters of the rate the VNNI kernel reaches. */
+#define PREFETCH_BYTES 8192
+
+#ifdef __AMX_INT8__
+long tandem_w8a8_packs(long N, long K) { return N % GROUP == 0 && K % QBLOCK == 0; }
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) TileConfig;
+
+/* Tiles 0-1: input rows (rows x 32 bytes), 2-3: weights (8 x 64 bytes), 4-5: sums (rows x 16 int32). */
+static void configure(int rows) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 2; t++) {
+        c.rows[t] = (uint8_t)rows;
+        c.colsb[t] = QBLOCK;
+        c.rows[t + 2] = QBLOCK / 4;
+        c.colsb[t + 2] = 64;
+        c.rows[t + 4] = (uint8_t)rows;
+        c.colsb[t + 4] = 64;
+    }
+    /* not _tile_loadconfig: GCC 12's form tells the compiler it reads 8 bytes, and the stores
+     * filling the rest of the 64 were moved past it (ldtilecfg then faulted on a half-written
+     * configuration) */
+    __asm__ volatile("ldtilecfg %0" ::"m"(c));
+}
+
+/* acc[i] += xs[i, b] * sums[i] for the tile's rows. */
+#define SCALE_ADD(sums, b)                                                                          \
+    for (int i = 0; i < ROWS; i++)                                                                  \
+        if (i < rows)                                                                               \
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[i])),               \
+                                     _mm512_set1_ps(xs[(m0 + i) * nb + (b)]), acc[i]);
+
+void tandem_team_gemm_w8a8_amx(const int8_t *xq, const float *xs, const int8_t *wp, const float *scale, float *y,
+                               long M, long N, long K) {
+    long nb = K / QBLOCK, groups = N / GROUP;
+    int32_t sums[2][ROWS][16] __attribute__((aligned(64)));
+    int configured = 0;
+#pragma omp for schedule(static)
+    for (long t = 0; t < groups; t++) {
+        const int8_t *wt = wp + t * nb * BLOCK_BYTES;
+        __m512 s = _mm512_loadu_ps(scale + t * GROUP);
+        /* every tile of input rows against this group's weights, from cache after the first */
+        for (long m0 = 0; m0 < M; m0 += ROWS) {
+            int rows = M - m0 < ROWS ? (int)(M - m0) : ROWS;
+            if (rows != configured) {
+                configure(rows);
+                configured = rows;
+            }
+            const int8_t *xa = xq + m0 * K;
+            __m512 acc[ROWS];
+            for (int i = 0; i < ROWS; i++) acc[i] = _mm512_setzero_ps();
+            long b = 0;
+            for (; b + 2 <= nb; b += 2) {
+                if (m0 == 0)
+                    for (int p = 0; p < 2 * BLOCK_BYTES; p += 64)
+                        _mm_prefetch((const char *)(wt + b * BLOCK_BYTES + PREFETCH_BYTES + p), _MM_HINT_T0);
+                _tile_zero(4);
+                _tile_zero(5);
+                _tile_loadd(0, xa + b * QBLOCK, K);
+                _tile_loadd(2, wt + b * BLOCK_BYTES, 64);
+                _tile_dpbssd(4, 0, 2);
+                _tile_loadd(1, xa + (b + 1) * QBLOCK, K);
+                _tile_loadd(3, wt + (b + 1) * BLOCK_BYTES, 64);
+                _tile_dpbssd(5, 1, 3);
+                _tile_stored(4, sums[0], 64);
+                SCALE_ADD(sums[0], b)
+                _tile_stored(5, sums[1], 64);
+                SCALE_ADD(sums[1], b + 1)
+            }
+            if (b < nb) { /* an odd last block */
+                _tile_zero(4);
+                _tile_loadd(0, xa + b * QBLOCK, K);
+                _tile_loadd(2, wt + b * BLOCK_BYTES, 64);
+                _tile_dpbssd(4, 0, 2);
+                _tile_stored(4, sums[0], 64);
+                SCALE_ADD(sums[0], b)
+            }
+            for (int i = 0; i < rows; i++) _mm512_storeu_ps(y + (m0 + i) * N + t * GROUP, _mm512_mul_ps(acc[i], s));
+        }
+    }
+    if (configured) _tile_release();
+}
+#else
+long tandem_w8a8_packs(long N, long K) {
+    (void)N;
+    (void)K;
+    return 0; /* this build has no AMX: the weights stay [N, K] for the VNNI or AVX2 kernel */
+}
+
+void tandem_team_gemm_w8a8_amx(const int8_t *xq, const float *xs, const int8_t *wp, const float *scale, float *y,
+                               long M, long N, long K) {
+    (void)xq, (void)xs, (void)wp, (void)scale, (void)y, (void)M, (void)N, (void)K; /* never called: see above */
+}
+#endif

@@ -1,0 +1,104 @@
+"""Which kernel variant a CPU gets, and the AMX variant's packed w8a8 weights."""
+
+import pytest
+import torch
+
+from tandem.kernels import cpu_features, native
+from tandem.kernels.cpu_features import cpu_info
+from tandem.models.quant import Int8Linear, quantize_rows
+
+ZEN3 = {"avx2"}
+ZEN5 = {"avx2", "avx512", "avx512_vnni", "avx512_bf16"}
+XEON_AMX = ZEN5 | {"amx_tile", "amx_bf16", "amx_int8"}
+
+
+@pytest.mark.parametrize("features, want", [
+    (XEON_AMX, ["amx", "avx512", "avx2"]),
+    (ZEN5, ["avx512", "avx2"]),
+    (ZEN3, ["avx2"]),
+    (set(), []),
+    (ZEN5 | {"amx_tile", "amx_bf16"}, ["avx512", "avx2"]),  # AMX without int8 tiles: no AMX variant
+])
+def test_variants_follow_the_features_best_first(features, want):
+    assert [v.name for v in native.supported_variants(frozenset(features))] == want
+
+
+def _fake_machine(monkeypatch, granted: bool) -> None:
+    flags = frozenset("avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_vnni amx_tile amx_bf16 amx_int8".split())
+    monkeypatch.setattr(cpu_features, "_proc_cpuinfo", lambda: ("fake Xeon", flags, "GenuineIntel"))
+    monkeypatch.setattr(cpu_features, "_torch_says", lambda check: True)
+    monkeypatch.setattr(torch.cpu, "_init_amx", lambda: granted)
+    cpu_info.cache_clear()
+
+
+@pytest.mark.parametrize("granted", [True, False])
+def test_amx_counts_only_when_the_os_grants_the_tiles(monkeypatch, granted):
+    _fake_machine(monkeypatch, granted)
+    try:
+        info = cpu_info()
+        assert info.amx_permitted is granted
+        assert info.has("amx_tile", "amx_int8", "amx_bf16") is granted
+        assert info.has("avx512", "avx512_vnni")
+        best = native.supported_variants()[0].name
+        assert best == ("amx" if granted else "avx512")
+    finally:
+        cpu_info.cache_clear()
+
+
+def test_a_variant_that_fails_to_load_falls_back_to_the_next(monkeypatch):
+    loaded = []
+
+    def load(name):
+        loaded.append(name)
+        if name == "amx":
+            raise RuntimeError("compiling int8_gemm.c failed:\ncc: error: unrecognized option '-mamx-int8'")
+        return native.Kernels(native.variant(name), None)
+
+    monkeypatch.delenv("TANDEM_NO_KERNELS", raising=False)
+    monkeypatch.delenv("TANDEM_KERNEL_ISA", raising=False)
+    monkeypatch.setattr(native, "supported_variants", lambda: [native.variant(n) for n in ("amx", "avx512", "avx2")])
+    monkeypatch.setattr(native, "load", load)
+    native.best.cache_clear()
+    try:
+        assert native.best().name == "native-avx512" and loaded == ["amx", "avx512"]
+    finally:
+        native.best.cache_clear()
+
+
+@pytest.fixture
+def amx_kernels():
+    missing = [f for f in native.variant("amx").requires if f not in cpu_info().features]
+    if missing:
+        pytest.skip(f"this CPU (or its OS) lacks {', '.join(missing)} for the amx kernels")
+    if native._compiler() is None:
+        pytest.skip("no C compiler: the kernels are not built here")
+    return native.load("amx")
+
+
+def test_amx_weights_are_packed_in_the_tiles_layout(amx_kernels):
+    q, _ = quantize_rows(torch.randn(48, 96))
+    packed = amx_kernels.w8a8_weight(q)
+    assert packed.shape == (3, 3, 8, 64)
+    for n, k in ((0, 0), (17, 37), (47, 95), (31, 64)):
+        t, b, k4, r = n // 16, k // 32, (k % 32) // 4, k % 4
+        assert packed[t, b, k4, 4 * (n % 16) + r] == q[n, k]
+    odd = quantize_rows(torch.randn(40, 96))[0]  # 40 rows: not whole groups of 16, left as they are
+    assert amx_kernels.w8a8_weight(odd) is odd
+    with pytest.raises(ValueError, match="pass Kernels.w8a8_weight"):
+        amx_kernels.gemm_w8a8(torch.randn(2, 96), q, torch.ones(48))
+
+
+def test_a_packed_linear_gives_its_rows_back(amx_kernels):
+    """The tied embedding reads its rows from the packed head; the bf16 road unpacks it once."""
+    q, s = quantize_rows(torch.randn(64, 64))
+    lin = Int8Linear(q, s, None, w8a8=True, kernels=amx_kernels)
+    assert lin.packed and lin.qweight.dim() == 4
+    assert torch.equal(lin.weight_rows(), q)
+    ids = torch.tensor([0, 63, 17, 17, 40])
+    assert torch.equal(lin.weight_rows(ids), q[ids])
+    assert torch.equal(lin.rows(ids), q[ids].float() * s[ids, None])
+    plain = Int8Linear(q, s, None, w8a8=True, kernels=native.load("avx512"))
+    assert not plain.packed and plain.weight_rows() is plain.qweight
+    x = torch.randn(5, 64)
+    # the same arithmetic up to float rounding: the two kernels sum a block's products in another order
+    torch.testing.assert_close(lin(x), plain(x), rtol=1e-5, atol=1e-4)
