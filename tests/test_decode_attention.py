@@ -46,7 +46,10 @@ def _reference(q, k_cache, v_cache, tables, contexts, scale, window):
     return out
 
 
-@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 1, 256), (4, 2, 36), (2, 2, 8)])
+# groups of 1, 2, 4 and 8 query heads per KV head (the kernel's register-blocked forms, head sizes
+# in whole slices of its accumulators and with a rest) and of 3 (its generic loops)
+@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 1, 256), (4, 2, 36), (2, 2, 8), (8, 1, 64), (6, 2, 32),
+                                                  (1, 1, 80), (4, 1, 100)])
 @pytest.mark.parametrize("window", [0, 5, 200])
 def test_kernel_matches_per_sequence_reference(heads, kv_heads, dim, window, kernels):
     # 128, 129 and 300 keys span one, two and three of the kernel's parts of 128 positions

@@ -97,6 +97,118 @@ static inline float exp_shifted(float *p, long n, float *sum) {
     return m;
 }
 
+/* A part's keys and values for G query heads at once, with G a compile-time constant (1, 2, 4
+ * or 8; other group sizes take the loops in the task itself). The same arithmetic as one head
+ * at a time, in the same order for every (head, element): each score is one accumulator over d
+ * in VF_LANES steps, then its horizontal sum; each output element sums p * v over the part's
+ * positions in order. Only the loops are arranged differently: a key is loaded once for all G
+ * heads, and the weighted values accumulate in registers over every position, a slice of
+ * CHUNK = VF_ACC / G vectors at a time, instead of being loaded and stored back to the record
+ * for each position and head (that had made the values' pass about two thirds of decode
+ * attention at batch 16). So the results are the same bits as the loops they replace. */
+#ifdef __AVX512F__
+#define VF_ACC 16 /* accumulators for the values' pass: half the vector registers */
+#else
+#define VF_ACC 8
+#endif
+
+/* Rows this far ahead are prefetched: a sequence's keys lie in blocks of a few rows scattered
+ * over the cache, too short for the hardware prefetcher to follow. */
+#define ROWS_AHEAD 2
+
+static inline void prefetch_row(const void *p, long bytes, int l2) {
+    for (long b = 0; b < bytes; b += 64) {
+        if (l2) _mm_prefetch((const char *)p + b, _MM_HINT_T1);
+        else _mm_prefetch((const char *)p + b, _MM_HINT_T0);
+    }
+}
+
+#define DEFINE_GROUP(G, T, SUFFIX, LOADV)                                                           \
+    static void scores_##SUFFIX##_g##G(const float *qf, const T *k_cache, const long *row, long len, long D, \
+                                       float scale, float *prob) {                                  \
+        for (long i = 0; i < len; i++) {                                                            \
+            const T *k = k_cache + row[i] * D;                                                      \
+            if (i + ROWS_AHEAD < len) prefetch_row(k_cache + row[i + ROWS_AHEAD] * D, D * (long)sizeof(T), 0); \
+            vf a[G];                                                                                \
+            for (int h = 0; h < G; h++) a[h] = vf_zero();                                           \
+            long d = 0;                                                                             \
+            for (; d + VF_LANES <= D; d += VF_LANES) {                                              \
+                vf kv = LOADV(k + d);                                                               \
+                for (int h = 0; h < G; h++) a[h] = vf_fmadd(vf_loadu(qf + h * D + d), kv, a[h]);    \
+            }                                                                                       \
+            for (int h = 0; h < G; h++) {                                                           \
+                float dot = vf_hsum(a[h]);                                                          \
+                for (long t = d; t < D; t++) dot += qf[h * D + t] * SCALAR_##SUFFIX(k[t]);         \
+                prob[h * DECODE_PART + i] = dot * scale;                                            \
+            }                                                                                       \
+        }                                                                                           \
+    }                                                                                               \
+    static void values_##SUFFIX##_g##G(const T *v_cache, const long *row, long len, long D, const float *prob, \
+                                       float *rec) {                                                \
+        enum { CHUNK = VF_ACC / G };                                                                \
+        long d0 = 0;                                                                                \
+        for (; d0 + CHUNK * VF_LANES <= D; d0 += CHUNK * VF_LANES) {                                \
+            vf a[G][CHUNK];                                                                         \
+            for (int h = 0; h < G; h++)                                                             \
+                for (int c = 0; c < CHUNK; c++) a[h][c] = vf_zero();                                \
+            for (long i = 0; i < len; i++) {                                                        \
+                const T *v = v_cache + row[i] * D + d0;                                             \
+                if (d0 == 0 && i + ROWS_AHEAD < len) /* the whole row, for this slice and the next */ \
+                    prefetch_row(v_cache + row[i + ROWS_AHEAD] * D, D * (long)sizeof(T), 1);        \
+                vf vv[CHUNK];                                                                       \
+                for (int c = 0; c < CHUNK; c++) vv[c] = LOADV(v + c * VF_LANES);                    \
+                for (int h = 0; h < G; h++) {                                                       \
+                    vf w = vf_set1(prob[h * DECODE_PART + i]);                                      \
+                    for (int c = 0; c < CHUNK; c++) a[h][c] = vf_fmadd(w, vv[c], a[h][c]);          \
+                }                                                                                   \
+            }                                                                                       \
+            for (int h = 0; h < G; h++)                                                             \
+                for (int c = 0; c < CHUNK; c++) vf_storeu(rec + h * D + d0 + c * VF_LANES, a[h][c]); \
+        }                                                                                           \
+        if (d0 < D) { /* a head size that is not whole slices: the rest element-wise, in order */   \
+            for (int h = 0; h < G; h++) memset(rec + h * D + d0, 0, sizeof(float) * (size_t)(D - d0)); \
+            for (long i = 0; i < len; i++)                                                          \
+                for (int h = 0; h < G; h++)                                                         \
+                    axpy_##SUFFIX(rec + h * D + d0, prob[h * DECODE_PART + i], v_cache + row[i] * D + d0, D - d0); \
+        }                                                                                           \
+    }
+
+#define SCALAR_f32(x) (x)
+#define SCALAR_bf16(x) bf16_to_f32(x)
+DEFINE_GROUP(1, float, f32, vf_loadu)
+DEFINE_GROUP(2, float, f32, vf_loadu)
+DEFINE_GROUP(4, float, f32, vf_loadu)
+DEFINE_GROUP(8, float, f32, vf_loadu)
+DEFINE_GROUP(1, uint16_t, bf16, vf_load_bf16)
+DEFINE_GROUP(2, uint16_t, bf16, vf_load_bf16)
+DEFINE_GROUP(4, uint16_t, bf16, vf_load_bf16)
+DEFINE_GROUP(8, uint16_t, bf16, vf_load_bf16)
+
+/* The part's scores and weighted values through the G-head forms above; 0 for a group size
+ * they do not cover. */
+#define DEFINE_GROUPED(T, SUFFIX)                                                                   \
+    static int grouped_##SUFFIX(long G, const float *qf, const T *k_cache, const T *v_cache, const long *row, \
+                                long len, long D, float scale, float *prob, float *rec) {           \
+        switch (G) {                                                                                \
+            case 1: scores_##SUFFIX##_g1(qf, k_cache, row, len, D, scale, prob); break;             \
+            case 2: scores_##SUFFIX##_g2(qf, k_cache, row, len, D, scale, prob); break;             \
+            case 4: scores_##SUFFIX##_g4(qf, k_cache, row, len, D, scale, prob); break;             \
+            case 8: scores_##SUFFIX##_g8(qf, k_cache, row, len, D, scale, prob); break;             \
+            default: return 0;                                                                      \
+        }                                                                                           \
+        float *m = rec + G * D;                                                                     \
+        for (long h = 0; h < G; h++) m[h] = exp_shifted(prob + h * DECODE_PART, len, m + G + h);   \
+        switch (G) {                                                                                \
+            case 1: values_##SUFFIX##_g1(v_cache, row, len, D, prob, rec); break;                   \
+            case 2: values_##SUFFIX##_g2(v_cache, row, len, D, prob, rec); break;                   \
+            case 4: values_##SUFFIX##_g4(v_cache, row, len, D, prob, rec); break;                   \
+            default: values_##SUFFIX##_g8(v_cache, row, len, D, prob, rec); break;                  \
+        }                                                                                           \
+        return 1;                                                                                   \
+    }
+DEFINE_GROUPED(float, f32)
+DEFINE_GROUPED(uint16_t, bf16)
+
 /* The sequence that part p belongs to: first[s] <= p < first[s + 1]. */
 static inline long part_sequence(const long *first, long S, long p) {
     long lo = 0, hi = S - 1;
@@ -180,15 +292,18 @@ long tandem_decode_attention_prob_floats(long G, long D) { return G * (DECODE_PA
             const int64_t *table = tables + s * max_blocks;                                         \
             float *qf = prob + G * DECODE_PART, *rec = partial + task * stride;                     \
             widen_##SUFFIX(qf, q + (rows[s] * H + g * G) * D, G * D);                               \
+            long row[DECODE_PART];                                                                  \
+            for (long i = 0; i < len; i++) row[i] = cache_row(table, start + i, block_size, KVH, g); \
+            if (grouped_##SUFFIX(G, qf, k_cache, v_cache, row, len, D, scale, prob, rec)) continue; \
             for (long i = 0; i < len; i++) {                                                        \
-                const T *k = k_cache + cache_row(table, start + i, block_size, KVH, g) * D;         \
+                const T *k = k_cache + row[i] * D;                                                  \
                 for (long h = 0; h < G; h++) prob[h * DECODE_PART + i] = dot_##SUFFIX(qf + h * D, k, D) * scale; \
             }                                                                                       \
             for (long h = 0; h < G; h++)                                                            \
                 rec[G * D + h] = exp_shifted(prob + h * DECODE_PART, len, rec + G * D + G + h);     \
             memset(rec, 0, sizeof(float) * (size_t)(G * D));                                       \
             for (long i = 0; i < len; i++) {                                                        \
-                const T *v = v_cache + cache_row(table, start + i, block_size, KVH, g) * D;         \
+                const T *v = v_cache + row[i] * D;                                                  \
                 for (long h = 0; h < G; h++) axpy_##SUFFIX(rec + h * D, prob[h * DECODE_PART + i], v, D); \
             }                                                                                       \
         }                                                                                           \
