@@ -32,6 +32,16 @@ def test_float32_cpu_with_the_library_uses_every_kernel(monkeypatch):
     assert ops.rms_norm is not reference.rms_norm
 
 
+@pytest.mark.parametrize("name, fused", [("native-amx", True), ("native-avx512", False), ("native-avx2", False)])
+def test_the_greedy_argmax_moves_into_the_head_only_with_the_amx_kernels(monkeypatch, name, fused):
+    monkeypatch.setattr(dispatch.native, "best", lambda: SimpleNamespace(**{**vars(FAKE), "name": name}))
+    monkeypatch.setattr(dispatch.native, "unavailable_reason", lambda: "")
+    ops = select_ops("cpu", torch.float32)
+    assert ops.fused_head_argmax is fused
+    assert ops.choices["head_argmax"].impl == ("fused-amx" if fused else "argmax-kernel")
+    assert not select_ops("cpu", torch.float32, disable=("head_argmax",)).fused_head_argmax
+
+
 def test_bfloat16_cpu_with_the_library_uses_every_kernel_in_its_bf16_form(monkeypatch):
     _fake_library(monkeypatch, True)
     ops = select_ops("cpu", torch.bfloat16)

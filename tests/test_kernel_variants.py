@@ -102,3 +102,49 @@ def test_a_packed_linear_gives_its_rows_back(amx_kernels):
     x = torch.randn(5, 64)
     # the same arithmetic up to float rounding: the two kernels sum a block's products in another order
     torch.testing.assert_close(lin(x), plain(x), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 2, 16, 17, 40])
+@pytest.mark.parametrize("n, k", [(48, 96), (4096, 64), (272, 640)])
+def test_the_fused_argmax_finds_what_the_argmax_of_the_product_finds(amx_kernels, m, n, k):
+    torch.manual_seed(m * 7 + n)
+    q, s = quantize_rows(torch.randn(n, k))
+    q[n // 2] = q[n // 3]  # two equal weight rows: equal outputs, the first index must win
+    s[n // 2] = s[n // 3]
+    packed = amx_kernels.w8a8_weight(q)
+    x = torch.randn(m, k)
+    x[0] = 0.0  # every output 0: index 0
+    want = amx_kernels.argmax_rows(amx_kernels.gemm_w8a8(x, packed, s))
+    assert torch.equal(amx_kernels.gemm_w8a8_argmax(x, packed, s), want)
+    assert want[0] == 0
+    with pytest.raises(ValueError, match="packed"):
+        amx_kernels.gemm_w8a8_argmax(x, q, s)
+
+
+def test_greedy_steps_take_their_tokens_from_the_heads_kernel_and_the_same_ones(amx_kernels, tmp_path):
+    """A greedy step's tokens come from the head's fused argmax; with it off, or with a row that
+    wants logprobs (the step makes its logits), every token is the same."""
+    from dataclasses import replace
+
+    from tandem import LLM, SamplingParams
+    from tiny_models import VOCAB, save_tiny
+
+    save_tiny("gemma3", tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", quantization="w8a8", max_num_batched_tokens=32)
+    model = llm.loaded.model
+    if llm.loaded.paths()["ops"]["int8_matmul"] != "native-amx":
+        pytest.skip("the model was built on other kernels (TANDEM_KERNEL_ISA caps them?)")
+    assert model.fused_argmax and llm.loaded.paths()["ops"]["head_argmax"] == "fused-amx"
+    fused_calls = []
+    head_argmax = model.lm_head.argmax
+    model.lm_head.argmax = lambda x: fused_calls.append(len(x)) or head_argmax(x)
+    prompts = [[1] + [(5 * i + 3 * j) % (VOCAB - 3) + 3 for j in range(6 + 5 * i)] for i in range(4)]
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    fused = [o.token_ids for o in llm.generate(prompts, greedy)]
+    assert fused_calls and max(fused_calls) > 1  # batched steps took the fused argmax
+    with_logprobs = [o.token_ids for o in llm.generate(prompts, [greedy] * 3 + [replace(greedy, logprobs=2)])]
+    model.ops = replace(model.ops, fused_head_argmax=False)
+    calls_before = len(fused_calls)
+    plain = [o.token_ids for o in llm.generate(prompts, greedy)]
+    assert len(fused_calls) == calls_before and not model.fused_argmax
+    assert fused == plain == with_logprobs

@@ -27,6 +27,8 @@
  * variant loads).
  */
 #include <immintrin.h>
+#include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -75,55 +77,136 @@ static void configure(int rows) {
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[i])),               \
                                      _mm512_set1_ps(xs[(m0 + i) * nb + (b)]), acc[i]);
 
+/* The product's rows m0 .. m0 + rows against the weight group wt, before the weights' scales:
+ * acc[i] holds row m0 + i's 16 sums. The tiles must be configured for `rows`. */
+static inline __attribute__((always_inline)) void group_sums(const int8_t *xq, const float *xs, const int8_t *wt,
+                                                            long m0, int rows, long K, __m512 *acc) {
+    long nb = K / QBLOCK;
+    int32_t sums[2][ROWS][16] __attribute__((aligned(64)));
+    const int8_t *xa = xq + m0 * K;
+    for (int i = 0; i < ROWS; i++) acc[i] = _mm512_setzero_ps();
+    long b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        if (m0 == 0) /* the first row tile streams the weights; the others find them in cache */
+            for (int p = 0; p < 2 * BLOCK_BYTES; p += 64)
+                _mm_prefetch((const char *)(wt + b * BLOCK_BYTES + PREFETCH_BYTES + p), _MM_HINT_T0);
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_loadd(0, xa + b * QBLOCK, K);
+        _tile_loadd(2, wt + b * BLOCK_BYTES, 64);
+        _tile_dpbssd(4, 0, 2);
+        _tile_loadd(1, xa + (b + 1) * QBLOCK, K);
+        _tile_loadd(3, wt + (b + 1) * BLOCK_BYTES, 64);
+        _tile_dpbssd(5, 1, 3);
+        _tile_stored(4, sums[0], 64);
+        SCALE_ADD(sums[0], b)
+        _tile_stored(5, sums[1], 64);
+        SCALE_ADD(sums[1], b + 1)
+    }
+    if (b < nb) { /* an odd last block */
+        _tile_zero(4);
+        _tile_loadd(0, xa + b * QBLOCK, K);
+        _tile_loadd(2, wt + b * BLOCK_BYTES, 64);
+        _tile_dpbssd(4, 0, 2);
+        _tile_stored(4, sums[0], 64);
+        SCALE_ADD(sums[0], b)
+    }
+}
+
 void tandem_team_gemm_w8a8_amx(const int8_t *xq, const float *xs, const int8_t *wp, const float *scale, float *y,
                                long M, long N, long K) {
     long nb = K / QBLOCK, groups = N / GROUP;
-    int32_t sums[2][ROWS][16] __attribute__((aligned(64)));
     int configured = 0;
 #pragma omp for schedule(static)
     for (long t = 0; t < groups; t++) {
-        const int8_t *wt = wp + t * nb * BLOCK_BYTES;
         __m512 s = _mm512_loadu_ps(scale + t * GROUP);
-        /* every tile of input rows against this group's weights, from cache after the first */
+        for (long m0 = 0; m0 < M; m0 += ROWS) { /* every tile of input rows against this group */
+            int rows = M - m0 < ROWS ? (int)(M - m0) : ROWS;
+            if (rows != configured) {
+                configure(rows);
+                configured = rows;
+            }
+            __m512 acc[ROWS];
+            group_sums(xq, xs, wp + t * nb * BLOCK_BYTES, m0, rows, K, acc);
+            for (int i = 0; i < rows; i++) _mm512_storeu_ps(y + (m0 + i) * N + t * GROUP, _mm512_mul_ps(acc[i], s));
+        }
+    }
+    if (configured) _tile_release();
+}
+
+long tandem_w8a8_argmax_scratch(long M, long threads) { return threads * M * (2 * GROUP + 3); }
+
+/* Per row, the index of the largest value of the product (the first one on ties; NaNs never
+ * chosen; 0 when nothing compares), as tandem_argmax_rows would find it in the product's output,
+ * whose values these are, computed the same way: greedy decoding's output head without writing
+ * and reading back a [M, N] table of logits (262,144 floats a row for Gemma 3). Each thread keeps
+ * a running best per row and lane over its groups, then its best per row; one thread merges them
+ * in index order. scratch: tandem_w8a8_argmax_scratch(M, threads) floats, 64-byte aligned. */
+void tandem_team_w8a8_amx_argmax(const int8_t *xq, const float *xs, const int8_t *wp, const float *scale,
+                                 int64_t *out, long M, long N, long K, float *scratch) {
+    long nb = K / QBLOCK, groups = N / GROUP, threads = omp_get_num_threads(), me = omp_get_thread_num();
+    float *lane_v = scratch + me * M * 2 * GROUP;
+    int32_t *lane_i = (int32_t *)(lane_v + M * GROUP);
+    int64_t *row_i = (int64_t *)(scratch + threads * M * 2 * GROUP); /* then threads * M floats */
+    float *row_v = (float *)(row_i + threads * M);
+    for (long i = 0; i < M * GROUP; i++) {
+        lane_v[i] = -INFINITY;
+        lane_i[i] = -1;
+    }
+    int configured = 0;
+#pragma omp for schedule(static) nowait
+    for (long t = 0; t < groups; t++) {
+        __m512 s = _mm512_loadu_ps(scale + t * GROUP);
+        __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)(t * GROUP)),
+                                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
         for (long m0 = 0; m0 < M; m0 += ROWS) {
             int rows = M - m0 < ROWS ? (int)(M - m0) : ROWS;
             if (rows != configured) {
                 configure(rows);
                 configured = rows;
             }
-            const int8_t *xa = xq + m0 * K;
             __m512 acc[ROWS];
-            for (int i = 0; i < ROWS; i++) acc[i] = _mm512_setzero_ps();
-            long b = 0;
-            for (; b + 2 <= nb; b += 2) {
-                if (m0 == 0)
-                    for (int p = 0; p < 2 * BLOCK_BYTES; p += 64)
-                        _mm_prefetch((const char *)(wt + b * BLOCK_BYTES + PREFETCH_BYTES + p), _MM_HINT_T0);
-                _tile_zero(4);
-                _tile_zero(5);
-                _tile_loadd(0, xa + b * QBLOCK, K);
-                _tile_loadd(2, wt + b * BLOCK_BYTES, 64);
-                _tile_dpbssd(4, 0, 2);
-                _tile_loadd(1, xa + (b + 1) * QBLOCK, K);
-                _tile_loadd(3, wt + (b + 1) * BLOCK_BYTES, 64);
-                _tile_dpbssd(5, 1, 3);
-                _tile_stored(4, sums[0], 64);
-                SCALE_ADD(sums[0], b)
-                _tile_stored(5, sums[1], 64);
-                SCALE_ADD(sums[1], b + 1)
+            group_sums(xq, xs, wp + t * nb * BLOCK_BYTES, m0, rows, K, acc);
+            for (int i = 0; i < rows; i++) {
+                float *bv = lane_v + (m0 + i) * GROUP;
+                int32_t *bi = lane_i + (m0 + i) * GROUP;
+                __m512 v = _mm512_mul_ps(acc[i], s), best = _mm512_loadu_ps(bv);
+                __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ); /* strict: the first index stays */
+                _mm512_storeu_ps(bv, _mm512_mask_blend_ps(gt, best, v));
+                _mm512_storeu_si512(bi, _mm512_mask_blend_epi32(gt, _mm512_loadu_si512(bi), idx));
             }
-            if (b < nb) { /* an odd last block */
-                _tile_zero(4);
-                _tile_loadd(0, xa + b * QBLOCK, K);
-                _tile_loadd(2, wt + b * BLOCK_BYTES, 64);
-                _tile_dpbssd(4, 0, 2);
-                _tile_stored(4, sums[0], 64);
-                SCALE_ADD(sums[0], b)
-            }
-            for (int i = 0; i < rows; i++) _mm512_storeu_ps(y + (m0 + i) * N + t * GROUP, _mm512_mul_ps(acc[i], s));
         }
     }
     if (configured) _tile_release();
+    for (long r = 0; r < M; r++) { /* this thread's best per row over its lanes */
+        float bm = -INFINITY;
+        long ba = -1;
+        for (int l = 0; l < GROUP; l++) {
+            float v = lane_v[r * GROUP + l];
+            long i = lane_i[r * GROUP + l];
+            if (i >= 0 && (ba < 0 || v > bm || (v == bm && i < ba))) {
+                bm = v;
+                ba = i;
+            }
+        }
+        row_v[me * M + r] = bm;
+        row_i[me * M + r] = ba;
+    }
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (long r = 0; r < M; r++) {
+        float bm = -INFINITY;
+        long ba = -1;
+        for (long th = 0; th < threads; th++) {
+            float v = row_v[th * M + r];
+            long i = row_i[th * M + r];
+            if (i >= 0 && (ba < 0 || v > bm || (v == bm && i < ba))) {
+                bm = v;
+                ba = i;
+            }
+        }
+        out[r] = ba < 0 ? 0 : ba;
+    }
 }
 #else
 long tandem_w8a8_packs(long N, long K) {
@@ -132,8 +215,16 @@ long tandem_w8a8_packs(long N, long K) {
     return 0; /* this build has no AMX: the weights stay [N, K] for the VNNI or AVX2 kernel */
 }
 
+/* never called where nothing packs (above) */
 void tandem_team_gemm_w8a8_amx(const int8_t *xq, const float *xs, const int8_t *wp, const float *scale, float *y,
                                long M, long N, long K) {
-    (void)xq, (void)xs, (void)wp, (void)scale, (void)y, (void)M, (void)N, (void)K; /* never called: see above */
+    (void)xq, (void)xs, (void)wp, (void)scale, (void)y, (void)M, (void)N, (void)K;
+}
+
+long tandem_w8a8_argmax_scratch(long M, long threads) { return threads * M * (2 * GROUP + 3); }
+
+void tandem_team_w8a8_amx_argmax(const int8_t *xq, const float *xs, const int8_t *wp, const float *scale,
+                                 int64_t *out, long M, long N, long K, float *scratch) {
+    (void)xq, (void)xs, (void)wp, (void)scale, (void)out, (void)M, (void)N, (void)K, (void)scratch;
 }
 #endif

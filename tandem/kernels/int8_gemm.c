@@ -323,3 +323,14 @@ void tandem_gemm_w8a8(const float *x, const int8_t *w, const float *scale, float
     Inputs in = {NULL, xq, xs, K};
     RUN_TILES(q, &in, w, scale, y, M, N);
 }
+
+/* Per row, the index of the product's largest value (amx_w8a8.c: tandem_team_w8a8_amx_argmax),
+ * for a weight the AMX tiles take packed (tandem_w8a8_packs). */
+void tandem_gemm_w8a8_argmax(const float *x, const int8_t *w, const float *scale, int64_t *out, long M, long N,
+                             long K, int8_t *xq, float *xs, float *scratch) {
+#pragma omp parallel
+    {
+        quantize_rows_i8(x, xq, xs, M, K);
+        tandem_team_w8a8_amx_argmax(xq, xs, w, scale, out, M, N, K, scratch);
+    }
+}

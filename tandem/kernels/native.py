@@ -123,6 +123,8 @@ _SIGNATURES = {
     "tandem_gemm_i8": ([_PTR, _PTR, _PTR, _PTR, _SIZE, _SIZE, _SIZE], None),
     "tandem_gemm_w8a8": ([_PTR, _PTR, _PTR, _PTR, _SIZE, _SIZE, _SIZE, _PTR, _PTR], None),
     "tandem_w8a8_packs": ([_SIZE, _SIZE], _SIZE),
+    "tandem_w8a8_argmax_scratch": ([_SIZE, _SIZE], _SIZE),
+    "tandem_gemm_w8a8_argmax": ([_PTR, _PTR, _PTR, _PTR, _SIZE, _SIZE, _SIZE, _PTR, _PTR, _PTR], None),
     "tandem_dequant_i8": ([_PTR, _PTR, _PTR, _SIZE, _SIZE, _SIZE], None),
     "tandem_gemm_i4": ([_PTR, _PTR, _PTR, _PTR, _SIZE, _SIZE, _SIZE], None),
     "tandem_dequant_i4": ([_PTR, _PTR, _PTR, _SIZE, _SIZE, _SIZE], None),
@@ -321,6 +323,26 @@ class Kernels:
         lib.tandem_gemm_w8a8(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k,
                              xq, xq + _align64(m * k))
         return y
+
+    def gemm_w8a8_argmax(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """``argmax_rows(gemm_w8a8(x, weight, scale))`` without making the product: int64 [M], the
+        same indices. Only for a weight packed for the AMX tiles (``w8a8_weight``)."""
+        if weight.dim() != 4:
+            raise ValueError("gemm_w8a8_argmax: takes a weight packed for the AMX tiles (Kernels.w8a8_weight)")
+        lib = self._lib()
+        m, k = x.shape
+        n, wk = self.w8a8_shape(weight)
+        if wk != k:
+            raise ValueError(f"gemm_w8a8_argmax: the weight has K={wk}, the input {k}")
+        out = torch.empty(m, dtype=torch.int64)
+        xq = _w8a8_scratch(m * k)
+        floats = lib.tandem_w8a8_argmax_scratch(m, torch.get_num_threads())
+        buf = getattr(_thread, "argmax", None)
+        if buf is None or buf.numel() < floats + 16:
+            buf = _thread.argmax = torch.empty(floats + 16, dtype=torch.float32)
+        lib.tandem_gemm_w8a8_argmax(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), out.data_ptr(), m, n, k,
+                                    xq, xq + _align64(m * k), _align64(buf.data_ptr()))
+        return out
 
     def dequant_i8(self, weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, n0: int, n1: int) -> torch.Tensor:
         """Rows ``n0 .. n1`` of ``scale[:, None] * weight`` into ``out[: n1 - n0]`` (float32)."""

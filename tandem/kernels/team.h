@@ -29,6 +29,8 @@ void tandem_team_gemm_w8a8(const float *x, const int8_t *w, const float *scale, 
 long tandem_w8a8_packs(long N, long K);
 void tandem_team_gemm_w8a8_amx(const int8_t *xq, const float *xs, const int8_t *wp, const float *scale, float *y,
                                long M, long N, long K);
+void tandem_team_w8a8_amx_argmax(const int8_t *xq, const float *xs, const int8_t *wp, const float *scale,
+                                 int64_t *out, long M, long N, long K, float *scratch);
 
 /* Scratch of the float32 decode attention: first [S + 1] longs, partial [parts * KVH * G * (D + 2)]
  * floats (parts: the sum over sequences of their parts, see decode_attention_parts), and per

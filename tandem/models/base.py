@@ -55,6 +55,18 @@ class CausalLM(nn.Module):
             BF16_ROWS.reset(token)
         return self.model.norm(x)
 
+    @property
+    def fused_argmax(self) -> bool:
+        """The output head finds greedy tokens without making the logits (``greedy_tokens``)."""
+        return self.ops.fused_head_argmax and bool(getattr(self.lm_head, "fused_argmax", False))
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> int64 [n]: the ops' argmax of ``compute_logits(hidden)``, inside the head's
+        kernel where ``fused_argmax``."""
+        if self.fused_argmax:
+            return self.lm_head.argmax(hidden)
+        return self.ops.argmax_rows(self.compute_logits(hidden))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Only for the rows that are sampled: [n, hidden] -> float32 [n, vocab]."""
         if self.lm_head is not None:

@@ -201,6 +201,16 @@ class Int8Linear(QuantLinear):
         buffers = self._buffers
         return int8_matmul(x, buffers["qweight"], buffers["scale"], self.w8a8, self.kernels)
 
+    @property
+    def fused_argmax(self) -> bool:
+        """``argmax`` runs inside the product's kernel (AMX-packed, no bias)."""
+        return self.packed and self.bias is None
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """int64 [M]: each row's index of the largest output (first on ties), the output itself
+        never made: what the argmax kernel finds in ``self(x)``. Only where ``fused_argmax``."""
+        return self.kernels.gemm_w8a8_argmax(x.float().contiguous(), self._buffers["qweight"], self._buffers["scale"])
+
     def weight_rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:
         """The int8 weight rows ``ids`` (all rows when None) as [len, K], whatever the layout."""
         q = self._buffers["qweight"]

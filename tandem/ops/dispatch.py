@@ -81,6 +81,9 @@ class OpTable:
     w8a8_prompt_attention_bf16: bool = False
     """w8a8 models: the prompts on the bf16 road above also attend in bf16 (torch's flash SDPA,
     softmax in float32 inside), their float32 queries, keys and values rounded for the call."""
+    fused_head_argmax: bool = False
+    """Steps whose every row is plain greedy take each row's token inside the output head's
+    kernel (a w8a8 head packed for AMX tiles), no logits made; False: the argmax of the logits."""
     prompt_attention_matmul: bool = False
     """Prompts attending in float32 on the CPU run as oneDNN matmuls (``tandem.ops.matmul_attention``);
     False: torch's SDPA."""
@@ -194,6 +197,14 @@ def select_ops(
     pick("decode_layers", not why_layers, why_layers, "per-op", chosen=Choice(
         kernel, "w8a8 models: a decode step's layers in one C call (one OpenMP region); other weight "
                 "formats and steps with prompt tokens op by op"))
+    # greedy steps of a w8a8 model: the token inside the output head's AMX kernel (the logits,
+    # 1 MiB a row for Gemma 3, never written and read back)
+    why_fused_argmax = _first_reason(
+        (not use["int8_matmul"], why_not or "the int8 kernels are off"),
+        (kernel != "native-amx", f"the fused argmax is the AMX head kernel's; this CPU runs the {kernel} kernels"))
+    pick("head_argmax", not why_fused_argmax, why_fused_argmax, "argmax-kernel", chosen=Choice(
+        "fused-amx", "w8a8 models: steps whose rows are all plain greedy (no logprobs, penalties or constraints) "
+                     "find each token inside the output head's AMX kernel, without writing the logits"))
     unknown = disable - set(choices)
     if unknown:
         raise ValueError(f"disable: unknown ops {', '.join(sorted(unknown))}; known: {', '.join(choices)}")
@@ -211,6 +222,7 @@ def select_ops(
         w8a8_prompt_bf16_tokens=W8A8_PROMPT_BF16_TOKENS if use["w8a8_prompt_matmul"] else None,
         w8a8_prompt_attention_bf16=use["w8a8_prompt_attention"],
         prompt_attention_matmul=use["prefill_attention"],
+        fused_head_argmax=use["head_argmax"],
         choices=choices,
     )
     log.info("ops for %s/%s: %s", device.type, dtype_name,

@@ -84,16 +84,24 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        sampling = [c for c in out.chunks if c.samples]
+        # every row greedy and wanting nothing else of its logits: the head's argmax, inside its
+        # kernel where it can (no [rows, vocab] table written and read back)
+        argmax_only = bool(sampling) and self.model.fused_argmax and self.sampler.argmax_only(sampling)
         start = time.perf_counter()
         hidden = self.model(ids, ctx)
-        logits = self.model.compute_logits(hidden.index_select(0, rows)) if sample_rows else None
+        logits = greedy = None
+        if argmax_only:
+            greedy = self.model.greedy_tokens(hidden.index_select(0, rows))
+        elif sample_rows:
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         model_seconds = time.perf_counter() - start
         sampled: dict[str, SampledToken] = {}
-        if logits is not None:
-            sampling = [c for c in out.chunks if c.samples]
-            tokens, logprobs = self.sampler.sample(logits, sampling)
+        if sampling:
+            tokens, logprobs = (self.sampler.take(greedy.tolist(), sampling) if greedy is not None
+                                else self.sampler.sample(logits, sampling))
             for chunk, tok, lp in zip(sampling, tokens, logprobs):
                 sampled[chunk.request_id] = SampledToken(tok, lp)
         return RunnerOutput(sampled=sampled, forward_seconds=model_seconds)

@@ -72,6 +72,24 @@ class Sampler:
             self._generators[request_id] = gen
         return gen
 
+    @staticmethod
+    def argmax_only(chunks: Sequence[ScheduledChunk]) -> bool:
+        """Every row takes its most likely token from the unprocessed logits and wants nothing else
+        of them (no logprobs, no logit processing, no constraint): the head's argmax is the answer."""
+        return all(c.sampling.greedy and c.sampling.logprobs is None and c.sampling.constraint is None
+                   and not c.sampling.processes_logits(c.end - c.num_prompt_tokens) for c in chunks)
+
+    def take(self, token_ids: list[int], chunks: Sequence[ScheduledChunk]) -> tuple[list[int], list[None]]:
+        """The tokens of an ``argmax_only`` step, chosen outside (the head's argmax), recorded as
+        ``sample`` records its own."""
+        self._record([c.request_id for c in chunks], token_ids)
+        return token_ids, [None] * len(token_ids)
+
+    def _record(self, request_ids: list[str], token_ids: list[int]) -> None:
+        self.history.record(request_ids, token_ids)
+        if self.grammars is not None:
+            self.grammars.accept(request_ids, token_ids)
+
     def sample(
         self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]
     ) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -113,9 +131,7 @@ class Sampler:
                 if kk:
                     top = list(zip(top_i[j, :kk].tolist(), top_v[j, :kk].tolist()))
                 logprobs[i] = TokenLogprob(token_ids[i], float(lp[j, token_ids[i]]), top)
-        self.history.record(request_ids, token_ids)
-        if self.grammars is not None:
-            self.grammars.accept(request_ids, token_ids)
+        self._record(request_ids, token_ids)
         return token_ids, logprobs
 
     def _processed(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
