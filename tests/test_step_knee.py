@@ -90,3 +90,43 @@ def test_designed_steps_are_timed_round_by_round():
     assert runner.order == [1, 2, 3] * 4  # one untimed round, then three timed ones
     assert [len(runs) for _, runs in samples] == [3, 3, 3] and [s for s, _ in samples] == shapes
     assert seen[-1] == pytest.approx(3) and seen == sorted(seen)
+
+
+def test_the_serving_prior_finds_a_knee_in_the_start_up_steps(monkeypatch):
+    """``build.step_prior`` times its start-up shapes (here on a virtual clock, each step costing
+    what a known model with a knee says) and keeps the knee that fits them."""
+    from types import SimpleNamespace
+
+    from tandem import build
+    from tandem.core.step_time import StepCost, features
+
+    true = StepCost(base=0.004, per_token=0.0004, per_seq=0.0015, per_context=2e-6, per_pair=1e-8, knee=8.0)
+    clock = [0.0]
+    monkeypatch.setattr(build.time, "perf_counter", lambda: clock[0])
+
+    class Runner:
+        def execute(self, out):
+            clock[0] += true.predict(features((c.start, len(c.token_ids)) for c in out.chunks))
+
+    layout = SimpleNamespace(num_slots=4096, num_blocks=256, blocks_for=lambda n: -(-n // 16))
+    prior = build.step_prior(Runner(), layout, max_model_len=2048)
+    assert prior.knee == 8.0
+    for spans in ([(0, 1)], [(500, 1)] * 16, [(0, 128)], [(64, 1)] * 4):
+        x = features(spans)
+        assert abs(prior.predict(x) - true.predict(x)) <= 0.1 * true.predict(x)
+
+
+def test_a_prior_cut_short_by_its_time_budget_places_no_knee(monkeypatch):
+    from types import SimpleNamespace
+
+    from tandem import build
+
+    clock = [0.0]
+    monkeypatch.setattr(build.time, "perf_counter", lambda: clock[0])
+
+    class Slow:  # every step a second: the budget ends after the first shape
+        def execute(self, out):
+            clock[0] += 1.0
+
+    layout = SimpleNamespace(num_slots=4096, num_blocks=256, blocks_for=lambda n: -(-n // 16))
+    assert build.step_prior(Slow(), layout, max_model_len=2048).knee == 0.0
