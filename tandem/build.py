@@ -16,7 +16,7 @@ from tandem.core.engine import Engine
 from tandem.core.outputs import StepStats
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.step import KVLayout, ScheduledChunk, SchedulerOutput
-from tandem.core.step_time import Observation, StepCost, features, fit_knee
+from tandem.core.step_time import Observation, StepCost, features, fit
 from tandem.kernels.cpu_features import available_cores, cpu_info
 from tandem.models.auto_mode import AutoChoice, choose_quantization
 from tandem.models.base import CausalLM
@@ -209,24 +209,21 @@ def engine_for(
     )
 
 
-WARMUP_SECONDS = 2.0
+WARMUP_SECONDS = 0.8
 """Start-up time the step-time prior may take (the shapes below stop early beyond it)."""
 
 
 def step_prior(runner: ModelRunner, layout: KVLayout, max_model_len: int) -> StepCost:
     """The step-time model's start-up estimate: a few timed forward passes of different shapes
     (one decode, a prompt chunk, a batch of decodes at a long context, a chunk behind a long
-    context, then batches of 4, 8 and 16 decodes at a short one), fitted as the online model fits,
-    with the knee that fits them best (``fit_knee``: a kernel that streams each weight tile once
-    for a whole batch makes 1 to 16 decodes cost about the same, as the AMX tiles and the AVX2
-    Zen 3 showed). They run before any request, on the fresh KV cache: what they write there is
-    overwritten before any request reads it."""
+    context), fitted as the online model fits. They run before any request, on the fresh KV cache:
+    what they write there is overwritten before any request reads it."""
     positions = min(layout.num_slots, max_model_len)
     far = min(1024, positions - 128)
     chunk = max(1, min(128, positions - 1))
     shapes = [[(0, 1)], [(0, chunk)]]
     if far > 0:
-        shapes += [[(far, 1)] * 8, [(far, 64)], [(far, 1)], [(64, 1)] * 4, [(64, 1)] * 8, [(64, 1)] * 16]
+        shapes += [[(far, 1)] * 8, [(far, 64)], [(far, 1)]]
     table = tuple(range(min(layout.num_blocks, layout.blocks_for(max(far + 64, chunk)))))
     params = SamplingParams(max_tokens=1, temperature=0.0)
     observations: list[Observation] = []
@@ -243,9 +240,7 @@ def step_prior(runner: ModelRunner, layout: KVLayout, max_model_len: int) -> Ste
         observations.append(Observation(features(spans), best))
         if time.perf_counter() > deadline:
             break
-    if len(observations) < len(shapes):  # out of time (a busy machine): too few shapes to place a knee
-        return fit_knee(observations, StepCost(), prior_weight=0.5, knees=(0.0,))
-    return fit_knee(observations, StepCost(), prior_weight=0.1)  # all eight: the default only steadies them
+    return StepCost(*fit(observations, StepCost().vector(), prior_weight=0.5))
 
 
 def build_engine(
