@@ -61,7 +61,7 @@ class Toggles:
         self.attention = [m for m in model.modules() if isinstance(m, Attention)]
         self.road = [m for m in model.modules() if isinstance(m, Int8Linear) and m.w8a8 and m._bf16_weight]
         self.tiled = {id(m): m._bf16_weight for m in self.road}
-        self.one_call = {id(m): OneCall(m.qweight.to(torch.bfloat16)) for m in self.road}
+        self.one_call = {id(m): OneCall(m.weight_rows().to(torch.bfloat16)) for m in self.road}  # [N, K] whatever the kernel layout
         self.default_matmul = model.ops.prompt_attention_matmul
         self.default_bf16 = model.bf16_prompt_attention
 
