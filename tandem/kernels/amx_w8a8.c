@@ -70,6 +70,17 @@ static void configure(int rows) {
     __asm__ volatile("ldtilecfg %0" ::"m"(c));
 }
 
+/* The input rows of the tile from row m0 (at most ROWS), the tiles configured for that count
+ * unless they already are (*configured: the count they were last configured for, 0 for none). */
+static inline int tile_rows(long M, long m0, int *configured) {
+    int rows = M - m0 < ROWS ? (int)(M - m0) : ROWS;
+    if (rows != *configured) {
+        configure(rows);
+        *configured = rows;
+    }
+    return rows;
+}
+
 /* acc[i] += xs[i, b] * sums[i] for the tile's rows. */
 #define SCALE_ADD(sums, b)                                                                          \
     for (int i = 0; i < ROWS; i++)                                                                  \
@@ -121,11 +132,7 @@ void tandem_team_gemm_w8a8_amx(const int8_t *xq, const float *xs, const int8_t *
     for (long t = 0; t < groups; t++) {
         __m512 s = _mm512_loadu_ps(scale + t * GROUP);
         for (long m0 = 0; m0 < M; m0 += ROWS) { /* every tile of input rows against this group */
-            int rows = M - m0 < ROWS ? (int)(M - m0) : ROWS;
-            if (rows != configured) {
-                configure(rows);
-                configured = rows;
-            }
+            int rows = tile_rows(M, m0, &configured);
             __m512 acc[ROWS];
             group_sums(xq, xs, wp + t * nb * BLOCK_BYTES, m0, rows, K, acc);
             for (int i = 0; i < rows; i++) _mm512_storeu_ps(y + (m0 + i) * N + t * GROUP, _mm512_mul_ps(acc[i], s));
@@ -135,6 +142,15 @@ void tandem_team_gemm_w8a8_amx(const int8_t *xq, const float *xs, const int8_t *
 }
 
 long tandem_w8a8_argmax_scratch(long M, long threads) { return threads * M * (2 * GROUP + 3); }
+
+/* (v, i) replaces the best so far (*bm, *ba) if it is a candidate (i >= 0) and larger, or equal
+ * with a smaller index: the first index of the maximum, whatever order the candidates come in. */
+static inline void keep_better(float v, long i, float *bm, long *ba) {
+    if (i >= 0 && (*ba < 0 || v > *bm || (v == *bm && i < *ba))) {
+        *bm = v;
+        *ba = i;
+    }
+}
 
 /* Per row, the index of the largest value of the product (the first one on ties; NaNs never
  * chosen; 0 when nothing compares), as tandem_argmax_rows would find it in the product's output,
@@ -160,11 +176,7 @@ void tandem_team_w8a8_amx_argmax(const int8_t *xq, const float *xs, const int8_t
         __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)(t * GROUP)),
                                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
         for (long m0 = 0; m0 < M; m0 += ROWS) {
-            int rows = M - m0 < ROWS ? (int)(M - m0) : ROWS;
-            if (rows != configured) {
-                configure(rows);
-                configured = rows;
-            }
+            int rows = tile_rows(M, m0, &configured);
             __m512 acc[ROWS];
             group_sums(xq, xs, wp + t * nb * BLOCK_BYTES, m0, rows, K, acc);
             for (int i = 0; i < rows; i++) {
@@ -181,14 +193,7 @@ void tandem_team_w8a8_amx_argmax(const int8_t *xq, const float *xs, const int8_t
     for (long r = 0; r < M; r++) { /* this thread's best per row over its lanes */
         float bm = -INFINITY;
         long ba = -1;
-        for (int l = 0; l < GROUP; l++) {
-            float v = lane_v[r * GROUP + l];
-            long i = lane_i[r * GROUP + l];
-            if (i >= 0 && (ba < 0 || v > bm || (v == bm && i < ba))) {
-                bm = v;
-                ba = i;
-            }
-        }
+        for (int l = 0; l < GROUP; l++) keep_better(lane_v[r * GROUP + l], lane_i[r * GROUP + l], &bm, &ba);
         row_v[me * M + r] = bm;
         row_i[me * M + r] = ba;
     }
@@ -197,14 +202,7 @@ void tandem_team_w8a8_amx_argmax(const int8_t *xq, const float *xs, const int8_t
     for (long r = 0; r < M; r++) {
         float bm = -INFINITY;
         long ba = -1;
-        for (long th = 0; th < threads; th++) {
-            float v = row_v[th * M + r];
-            long i = row_i[th * M + r];
-            if (i >= 0 && (ba < 0 || v > bm || (v == bm && i < ba))) {
-                bm = v;
-                ba = i;
-            }
-        }
+        for (long th = 0; th < threads; th++) keep_better(row_v[th * M + r], row_i[th * M + r], &bm, &ba);
         out[r] = ba < 0 ? 0 : ba;
     }
 }
