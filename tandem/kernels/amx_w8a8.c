@@ -42,6 +42,10 @@
  * batch 1) read them at about three quarters of the rate the VNNI kernel reaches. */
 #define PREFETCH_BYTES 8192
 
+/* The scratch of tandem_team_w8a8_amx_argmax, in floats: per thread a best value and index per
+ * row and lane, then per thread a best per row. */
+long tandem_w8a8_argmax_scratch(long M, long threads) { return threads * M * (2 * GROUP + 3); }
+
 #ifdef __AMX_INT8__
 long tandem_w8a8_packs(long N, long K) { return N % GROUP == 0 && K % QBLOCK == 0; }
 
@@ -141,8 +145,6 @@ void tandem_team_gemm_w8a8_amx(const int8_t *xq, const float *xs, const int8_t *
     if (configured) _tile_release();
 }
 
-long tandem_w8a8_argmax_scratch(long M, long threads) { return threads * M * (2 * GROUP + 3); }
-
 /* (v, i) replaces the best so far (*bm, *ba) if it is a candidate (i >= 0) and larger, or equal
  * with a smaller index: the first index of the maximum, whatever order the candidates come in. */
 static inline void keep_better(float v, long i, float *bm, long *ba) {
@@ -218,8 +220,6 @@ void tandem_team_gemm_w8a8_amx(const int8_t *xq, const float *xs, const int8_t *
                                long M, long N, long K) {
     (void)xq, (void)xs, (void)wp, (void)scale, (void)y, (void)M, (void)N, (void)K;
 }
-
-long tandem_w8a8_argmax_scratch(long M, long threads) { return threads * M * (2 * GROUP + 3); }
 
 void tandem_team_w8a8_amx_argmax(const int8_t *xq, const float *xs, const int8_t *wp, const float *scale,
                                  int64_t *out, long M, long N, long K, float *scratch) {

@@ -248,6 +248,7 @@ class Kernels:
         self.name = f"native-{isa.name}"
         self._cdll = lib
         self._typed_fns: dict[tuple[str, torch.dtype], Callable[..., Any]] = {}
+        self._packs_by_shape: dict[tuple[int, int], bool] = {}
 
     def __deepcopy__(self, memo) -> "Kernels":
         return self  # a handle to the one loaded library: copies of a model share it
@@ -292,9 +293,28 @@ class Kernels:
         (amx_w8a8.c): for weight rows 16 t + n and block b, ``[t, b, k4, 4 n + r]`` holds
         ``weight[16 t + n, 32 b + 4 k4 + r]``."""
         n, k = weight.shape
-        if not self._cdll.tandem_w8a8_packs(n, k):
+        if not self._packs(n, k):
             return weight
         return weight.view(n // 16, 16, k // 32, 8, 4).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 8, 64).contiguous()
+
+    @staticmethod
+    def w8a8_rows(weight: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The int8 rows ``ids`` (all when None) as [len, K] of a weight from ``w8a8_weight``,
+        packed or not: the inverse of its packing."""
+        if weight.dim() == 2:
+            return weight if ids is None else weight[ids]
+        t, b = weight.shape[:2]
+        groups = weight.view(t, b, 8, 16, 4)  # [t, b, k4, n, r]: row 16 t + n, column 32 b + 4 k4 + r
+        if ids is None:
+            return groups.permute(0, 3, 1, 2, 4).reshape(16 * t, 32 * b)
+        return groups[ids // 16, :, :, ids % 16].reshape(*ids.shape, 32 * b)
+
+    def _packs(self, n: int, k: int) -> bool:
+        """``tandem_w8a8_packs`` for [n, k], asked once per shape (the matmuls ask on every call)."""
+        packs = self._packs_by_shape.get((n, k))
+        if packs is None:
+            packs = self._packs_by_shape[(n, k)] = bool(self._cdll.tandem_w8a8_packs(n, k))
+        return packs
 
     def w8a8_shape(self, weight: torch.Tensor) -> tuple[int, int]:
         """(N, K) of a weight from ``w8a8_weight``; ValueError for an [N, K] weight this variant
@@ -302,23 +322,27 @@ class Kernels:
         if weight.dim() == 4:
             return weight.shape[0] * 16, weight.shape[1] * 32
         n, k = weight.shape
-        if self._cdll.tandem_w8a8_packs(n, k):
+        if self._packs(n, k):
             raise ValueError(f"gemm_w8a8: the {self.isa.name} kernels take this weight packed: "
                              "pass Kernels.w8a8_weight(weight)")
         return n, k
+
+    def _w8a8_inputs(self, fn: str, x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int, int]:
+        """(M, N, K, the address of the rounded inputs' scratch) of a w8a8 call, its shapes checked."""
+        m, k = x.shape
+        n, wk = self.w8a8_shape(weight)
+        if k % 32:
+            raise ValueError(f"{fn}: K must be a multiple of 32, got {k}")
+        if wk != k:
+            raise ValueError(f"{fn}: the weight has K={wk}, the input {k}")
+        return m, n, k, _w8a8_scratch(m * k)
 
     def gemm_w8a8(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """As ``gemm_i8`` with ``x`` rounded to int8 per block of 32 values (K a multiple of 32);
         ``weight`` as ``w8a8_weight`` gives it."""
         lib = self._lib()
-        m, k = x.shape
-        n, wk = self.w8a8_shape(weight)
-        if k % 32:
-            raise ValueError(f"gemm_w8a8: K must be a multiple of 32, got {k}")
-        if wk != k:
-            raise ValueError(f"gemm_w8a8: the weight has K={wk}, the input {k}")
+        m, n, k, xq = self._w8a8_inputs("gemm_w8a8", x, weight)
         y = torch.empty(m, n, dtype=torch.float32)
-        xq = _w8a8_scratch(m * k)
         # the rounded inputs (m * k bytes), then their scales (m * k / 32 floats), 64-byte aligned
         lib.tandem_gemm_w8a8(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k,
                              xq, xq + _align64(m * k))
@@ -330,12 +354,8 @@ class Kernels:
         if weight.dim() != 4:
             raise ValueError("gemm_w8a8_argmax: takes a weight packed for the AMX tiles (Kernels.w8a8_weight)")
         lib = self._lib()
-        m, k = x.shape
-        n, wk = self.w8a8_shape(weight)
-        if wk != k:
-            raise ValueError(f"gemm_w8a8_argmax: the weight has K={wk}, the input {k}")
+        m, n, k, xq = self._w8a8_inputs("gemm_w8a8_argmax", x, weight)
         out = torch.empty(m, dtype=torch.int64)
-        xq = _w8a8_scratch(m * k)
         floats = lib.tandem_w8a8_argmax_scratch(m, torch.get_num_threads())
         buf = getattr(_thread, "argmax", None)
         if buf is None or buf.numel() < floats + 16:

@@ -61,11 +61,9 @@ class CausalLM(nn.Module):
         return self.ops.fused_head_argmax and bool(getattr(self.lm_head, "fused_argmax", False))
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> int64 [n]: the ops' argmax of ``compute_logits(hidden)``, inside the head's
-        kernel where ``fused_argmax``."""
-        if self.fused_argmax:
-            return self.lm_head.argmax(hidden)
-        return self.ops.argmax_rows(self.compute_logits(hidden))
+        """[n, hidden] -> int64 [n]: the ops' argmax of ``compute_logits(hidden)``, found inside the
+        head's kernel; only where ``fused_argmax``."""
+        return self.lm_head.argmax(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Only for the rows that are sampled: [n, hidden] -> float32 [n, vocab]."""

@@ -183,9 +183,7 @@ class Int8Linear(QuantLinear):
         self.kernels = kernels
         # w8a8 on the kernels: the weights in the layout their kernel reads (packed for AMX
         # tiles, else as they are); ``weight_rows`` gives them back as [N, K]
-        weight = kernels.w8a8_weight(qweight) if w8a8 and kernels is not None else qweight
-        self.packed = weight is not qweight
-        self.register_buffer("qweight", weight)
+        self.register_buffer("qweight", kernels.w8a8_weight(qweight) if w8a8 and kernels is not None else qweight)
         self.register_buffer("scale", scale)
         self._bf16_weight: TiledBf16Weight | None = None  # w8a8's prompt rows, made at first use
 
@@ -202,6 +200,11 @@ class Int8Linear(QuantLinear):
         return int8_matmul(x, buffers["qweight"], buffers["scale"], self.w8a8, self.kernels)
 
     @property
+    def packed(self) -> bool:
+        """The weights are in the AMX tiles' layout (``Kernels.w8a8_weight``)."""
+        return self._buffers["qweight"].dim() == 4
+
+    @property
     def fused_argmax(self) -> bool:
         """``argmax`` runs inside the product's kernel (AMX-packed, no bias)."""
         return self.packed and self.bias is None
@@ -213,13 +216,7 @@ class Int8Linear(QuantLinear):
 
     def weight_rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:
         """The int8 weight rows ``ids`` (all rows when None) as [len, K], whatever the layout."""
-        q = self._buffers["qweight"]
-        if not self.packed:
-            return q if ids is None else q[ids]
-        groups = q.view(q.shape[0], q.shape[1], 8, 16, 4)  # [t, b, k4, n, r]: row 16 t + n
-        if ids is None:
-            return groups.permute(0, 3, 1, 2, 4).reshape(self.out_features, self.in_features)
-        return groups[ids // 16, :, :, ids % 16].reshape(*ids.shape, self.in_features)
+        return Kernels.w8a8_rows(self._buffers["qweight"], ids)
 
     def _bf16_rows(self, x: torch.Tensor) -> torch.Tensor:
         """``bf16(x) @ q.T`` by oneDNN, ``q`` the int8 weights held exactly as bf16 integers
