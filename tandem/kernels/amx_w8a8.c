@@ -8,7 +8,7 @@
  * to float and multiplied by the rows' activation scales with AVX-512, accumulated in registers
  * over the blocks in order. The VNNI kernel spends a conversion and a float multiply-add for
  * every 64 products of one (row, weight row) pair; here they cover 512, so at 16 rows the output
- * head (262,144 x 640) ran in 8 ms instead of 22 (Xeon with AMX, docs/performance.md), and a
+ * head (262,144 x 640) ran in 7.1 ms instead of 22.6 (Xeon with AMX, benchmarks/int8_kernel.py), and a
  * single row is bound by reading the weights as before.
  *
  * Each (m, n) sums its blocks in the same order whatever the row count, and the block sums are
