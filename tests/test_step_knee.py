@@ -26,9 +26,9 @@ def test_the_knee_prices_a_floor_up_to_its_rows_and_each_row_beyond():
     assert one == pytest.approx(0.004 + 4e-4 + 4 * 2.5e-3 + 129e-7 + 129e-9)
     assert four - one == pytest.approx(3 * (4e-4 + 1e-7 * 129 + 1e-9 * 129), rel=1e-6)  # no per_seq under the knee
     assert (sixteen - four) / 12 == pytest.approx(4e-4 + 2.5e-3 + 129e-7 + 129e-9, rel=1e-6)
-    # knee 0 is the plain sum, and vector() stays the five coefficients
+    # knee 0 is the plain sum, and vector() stays the six coefficients
     plain = StepCost(*FLOOR.vector())
-    assert plain.knee == 0 and len(FLOOR.vector()) == 5
+    assert plain.knee == 0 and len(FLOOR.vector()) == 6
     assert plain.predict(features([(128, 1)])) == pytest.approx(0.004 + 4e-4 + 2.5e-3 + 129e-7 + 129e-9)
 
 

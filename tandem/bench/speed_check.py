@@ -11,7 +11,7 @@ gives their ratio (the geometric mean over the steps; above 1: slower now) and t
 the prompt step's ratio and the decode steps'. The two drift apart on a shared
 VM (around one run of the accuracy benchmark the prompt step ran at 1.19x its reference and the
 decode steps at 0.98x, around another at 1.04x and 1.25x), so a rescaled profile multiplies the compute terms a prompt step is made of (per token,
-per attention pair) by the first, and the rest (the step's base, per sequence, per KV position
+per attention pair, once per prompt step) by the first, and the rest (the step's base, per sequence, per KV position
 read: a decode step) by the second, in the forward pass and the per-step overhead alike. It
 records the check (``speed_check``) beside its calibration.
 
@@ -41,7 +41,7 @@ PROBE: dict[str, Spans] = {
 
 PREFILL_STEPS = ("prefill 256",)
 """The probe steps whose time is a prompt chunk's compute; the others are decode steps."""
-PREFILL_TERMS = ("per_token", "per_pair")
+PREFILL_TERMS = ("per_token", "per_pair", "per_prompt_step")
 PROBE_REPEATS = 3
 
 

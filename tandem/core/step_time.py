@@ -1,9 +1,14 @@
 """The step-time model: seconds of one step from the shape of its chunks, fitted online.
 
 ``seconds = base + per_token * tokens + per_seq * max(knee, sequences) + per_context * (KV positions
-read) + per_pair * (attention (query, key) pairs)``: fixed weight reads, compute per token, sampling
-and bookkeeping per sequence, attention's memory reads per visible key, and prefill attention's
-compute per pair. ``knee`` (sequences, 0 by default: a plain sum) is where a step stops costing a
+read) + per_pair * (attention (query, key) pairs) + per_prompt_step * (1 if a chunk has more than one
+token)``: fixed weight reads, compute per token, sampling and bookkeeping per sequence, attention's
+memory reads per visible key, prefill attention's compute per pair, and what a step with prompt
+work pays once for leaving the decode-only path (the fused decode layers, one attention group,
+matmuls sized for a few rows), which a per-token cost alone reads as a steep price for the first
+prompt tokens of a step: beside 16 decodes of 24 ms, 2 prompt tokens added 14 ms and 16 added
+20 ms on an Intel Xeon (model 207, w8a8; ``benchmarks/prompt_step_cost.py``). ``knee``
+(sequences, 0 by default: a plain sum) is where a step stops costing a
 weight-read floor: a kernel that multiplies each weight tile by every row of a batch while the next
 tile streams in costs the same for 1 to ``knee`` rows, then each row more costs its products
 (measured: w8a8 decode on an AVX2 Zen 3 timed 20, 24 and 87 ms for 1, 4 and 16 rows). ``features`` is the one definition of those quantities; the simulator's
@@ -25,31 +30,40 @@ from typing import Iterable, Sequence
 
 from tandem.core.step import SchedulerOutput
 
-TERMS = ("base", "per_token", "per_seq", "per_context", "per_pair")
+TERMS = ("base", "per_token", "per_seq", "per_context", "per_pair", "per_prompt_step")
 """Coefficient names, in feature order (metrics label them so)."""
 
-Features = tuple[float, float, float, float, float]
+Features = tuple[float, float, float, float, float, float]
+PROMPT = 5
+"""Index of the prompt-step indicator in ``Features``: 1 or 0 per step, not a sum over its chunks."""
 
 
 def features(spans: Iterable[tuple[int, int]]) -> Features:
-    """(1, tokens, sequences, KV positions read, attention pairs) of a step whose chunks are
-    ``(start position, tokens)``; a chunk's queries each see the keys up to their own position."""
+    """(1, tokens, sequences, KV positions read, attention pairs, prompt step) of a step whose chunks
+    are ``(start position, tokens)``; a chunk's queries each see the keys up to their own position,
+    and the step is a prompt step when a chunk has more than one token."""
     tokens = seqs = context = pairs = 0
+    prompt = 0.0
     for start, n in spans:
         tokens += n
         seqs += 1
         context += start + n
         pairs += n * start + n * (n + 1) // 2
-    return (1.0, float(tokens), float(seqs), float(context), float(pairs))
+        if n > 1:
+            prompt = 1.0
+    return (1.0, float(tokens), float(seqs), float(context), float(pairs), prompt)
 
 
 def chunk_features(start: int, n: int) -> Features:
     """One chunk's share of ``features`` (no base): what adding it to a step adds."""
-    return (0.0, float(n), 1.0, float(start + n), float(n * start + n * (n + 1) // 2))
+    return (0.0, float(n), 1.0, float(start + n), float(n * start + n * (n + 1) // 2), 1.0 if n > 1 else 0.0)
 
 
 def add(a: Sequence[float], b: Sequence[float]) -> Features:
-    return tuple(x + y for x, y in zip(a, b))  # type: ignore[return-value]
+    """The features of a step with both ``a``'s and ``b``'s chunks (the prompt indicator is their max)."""
+    out = [x + y for x, y in zip(a, b)]
+    out[PROMPT] = max(a[PROMPT], b[PROMPT])
+    return tuple(out)  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -61,6 +75,7 @@ class StepCost:
     per_seq: float = 0.0002
     per_context: float = 0.0
     per_pair: float = 0.0
+    per_prompt_step: float = 0.0
     knee: float = 0.0
     """Sequences up to which ``per_seq`` is paid as if there were ``knee`` of them (not a coefficient:
     the online fit keeps it; a calibration picks it, ``fit_knee``)."""
@@ -73,13 +88,13 @@ class StepCost:
 
     def vector(self) -> Features:
         """The coefficients, in ``TERMS`` order (the knee is not one)."""
-        return (self.base, self.per_token, self.per_seq, self.per_context, self.per_pair)
+        return (self.base, self.per_token, self.per_seq, self.per_context, self.per_pair, self.per_prompt_step)
 
     def predict(self, x: Sequence[float]) -> float:
         # spelled out: the policy predicts a few times per chunk it sizes, every step
         seqs = x[2] if x[2] >= self.knee or x[2] <= 0 else self.knee
         return (self.base * x[0] + self.per_token * x[1] + self.per_seq * seqs + self.per_context * x[3]
-                + self.per_pair * x[4])
+                + self.per_pair * x[4] + self.per_prompt_step * x[5])
 
     def seconds(self, out: SchedulerOutput) -> float:
         return self.predict(features((c.start, c.num_tokens) for c in out.chunks))

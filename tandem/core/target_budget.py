@@ -263,7 +263,7 @@ class PrefillShare:
         ``n``, each step also carrying the current decodes (whose contexts grow a token per step)."""
         m = math.ceil(remaining / n)
         d = self.num_decodes
-        base, tokens, seqs, context, pairs = self.decode_x
+        base, tokens, seqs, context, pairs, _ = self.decode_x
         grow = d * m * (m - 1) / 2  # decode keys added over the m steps
         total = (
             base * m,
@@ -271,5 +271,6 @@ class PrefillShare:
             seqs * m + m,
             context * m + grow + (m - 1) * start + n * (m - 1) * m / 2 + start + remaining,
             pairs * m + grow + remaining * start + remaining * (remaining + 1) / 2,
+            float(m) if n > 1 else 0.0,  # each of the m steps is a prompt step
         )
         return self.model.predict(total)

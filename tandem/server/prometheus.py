@@ -94,7 +94,8 @@ class ServerMetrics:
         self.step_coefficient = Gauge(
             "tandem:step_time_model_coefficient",
             "The online step-time model: seconds per unit of each term (base, per_token, per_seq, "
-            "per_context = per KV position read, per_pair = per attention pair).", [*m, "term"], registry=r)
+            "per_context = per KV position read, per_pair = per attention pair, per_prompt_step = once per step "
+            "with prompt work).", [*m, "term"], registry=r)
         self.itl_margin = Gauge(
             "tandem:itl_target_margin", "With an ITL target: the share of the target that steps with prompt work "
             "are sized to, learnt from how much longer than predicted such steps ran (1: no margin).", m, registry=r)

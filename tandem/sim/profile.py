@@ -31,7 +31,9 @@ SCHEMA = "tandem-sim-profile/1"
 SHIPPED = Path(__file__).parent / "profiles"
 KINDS = ("measured", "roofline")
 
-COEFFICIENTS = mapping({**{t: (number(), True) for t in TERMS}, "knee": (number(), False)})
+LATER_TERMS = ("per_prompt_step",)
+"""Terms added to the step-time model after profiles were first written: optional, 0 when absent."""
+COEFFICIENTS = mapping({**{t: (number(), t not in LATER_TERMS) for t in TERMS}, "knee": (number(), False)})
 _COMMON = {
     "schema": (text((SCHEMA,)), True),
     "kind": (text(KINDS), True),
