@@ -213,32 +213,36 @@ WARMUP_SECONDS = 0.8
 """Start-up time the step-time prior may take (the shapes below stop early beyond it)."""
 
 
-def step_prior(runner: ModelRunner, layout: KVLayout, max_model_len: int) -> StepCost:
+def step_prior(runner: ModelRunner, layout: KVLayout, max_model_len: int,
+               clock: Callable[[], float] = time.perf_counter) -> StepCost:
     """The step-time model's start-up estimate: a few timed forward passes of different shapes
-    (one decode, a prompt chunk, a batch of decodes at a long context, a chunk behind a long
-    context), fitted as the online model fits. They run before any request, on the fresh KV cache:
-    what they write there is overwritten before any request reads it."""
+    (one decode, a short and a longer prompt chunk, a batch of decodes at a long context, a chunk
+    behind a long context), fitted as the online model fits. The short chunk prices what a step
+    pays once for carrying prompt work (``per_prompt_step``): without it, the first steps that mix
+    a prompt chunk into running decodes are predicted far too fast. They run before any request,
+    on the fresh KV cache: what they write there is overwritten before any request reads it."""
     positions = min(layout.num_slots, max_model_len)
     far = min(1024, positions - 128)
     chunk = max(1, min(128, positions - 1))
-    shapes = [[(0, 1)], [(0, chunk)]]
+    short = max(2, min(16, chunk // 4))
+    shapes = [[(0, 1)], [(0, short)], [(0, chunk)]]
     if far > 0:
         shapes += [[(far, 1)] * 8, [(far, 64)], [(far, 1)]]
     table = tuple(range(min(layout.num_blocks, layout.blocks_for(max(far + 64, chunk)))))
     params = SamplingParams(max_tokens=1, temperature=0.0)
     observations: list[Observation] = []
-    deadline = time.perf_counter() + WARMUP_SECONDS
+    deadline = clock() + WARMUP_SECONDS
     for i, spans in enumerate(shapes):
         out = SchedulerOutput(step_id=0, chunks=tuple(
             ScheduledChunk(f"warmup-{i}-{j}", start, (1,) * n, table, params, True, n == 1, start + n)
             for j, (start, n) in enumerate(spans)))
         best = float("inf")
         for _ in range(3):  # the first run of a shape pays its one-time costs; keep the best of the rest
-            t = time.perf_counter()
+            t = clock()
             runner.execute(out)
-            best = min(best, time.perf_counter() - t)
+            best = min(best, clock() - t)
         observations.append(Observation(features(spans), best))
-        if time.perf_counter() > deadline:
+        if clock() > deadline:
             break
     return StepCost(*fit(observations, StepCost().vector(), prior_weight=0.5))
 
