@@ -366,3 +366,18 @@ def test_http_fields_validated_and_in_the_schema(tmp_path):
         assert "target_itl_ms" in text and "target_ttft_ms" in text
     finally:
         app.close()
+
+
+def test_the_minimum_is_the_runners_prompt_tile_where_it_multiplies_in_tiles():
+    """Where a long prompt's chunk costs whole tiles of rows, a step forced to carry prompt work
+    carries a tile of it: a block would cost the same and move a tenth as far."""
+    planned = []
+    for i in range(64):  # far over a 20 ms target on their own: no chunk fits
+        r = Request(f"d{i}", list(range(1, 101)), SamplingParams(), 0.0, 10_000)
+        r.num_computed_tokens = 100
+        planned.append(Planned(r, 100, 1))
+    settings = SchedulerConfig(target_itl_ms=20.0)
+    prompt = Request("p", list(range(1, 1001)), SamplingParams(), 0.0, 10_000)
+    assert PrefillShare(StepTimeModel(COST), planned, settings, BLOCK, 0.0).size(prompt, 512) == BLOCK
+    tiled = PrefillShare(StepTimeModel(COST), planned, settings, 128, 0.0)
+    assert tiled.size(prompt, 512) == 128 and tiled.size(prompt, 40) == 40

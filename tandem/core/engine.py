@@ -66,7 +66,7 @@ class Engine:
                                         scheduler_config.step_model_refit_every)
         use_model = getattr(self.scheduler.policy, "use_step_model", None)
         if use_model is not None:
-            use_model(self.step_model, clock)
+            use_model(self.step_model, clock, getattr(runner, "prompt_tile", 1))
         self.step_stats: list[StepStats] = []
         self.record_steps = record_steps  # a long-running server keeps none; on_step sees each
         self.on_step = on_step

@@ -98,14 +98,18 @@ class ChunkedPolicy:
         # The engine replaces these with its fitted model and its clock (``use_step_model``).
         self.step_model = StepTimeModel(StepCost())
         self.clock: Callable[[], float] = time.monotonic
+        self.prompt_tile = 1
         self.ledger = OverrunLedger(settings.itl_overrun_share)
         self.margin = NoiseMargin(settings.itl_margin_share)
         self._last: _Sized | None = None
         """The last step that carried decodes under an ITL target, settled when the next is planned."""
 
-    def use_step_model(self, model: StepTimeModel, clock: Callable[[], float]) -> None:
+    def use_step_model(self, model: StepTimeModel, clock: Callable[[], float], prompt_tile: int = 1) -> None:
+        """The engine's fitted model, its clock, and the rows its runner multiplies a long prompt's
+        chunk in (``ModelRunner.prompt_tile``): a step made to carry prompt work carries at least that."""
         self.step_model = model
         self.clock = clock
+        self.prompt_tile = max(1, prompt_tile)
 
     def _is_long(self, request: Request) -> bool:
         return self.threshold > 0 and request.num_tokens > self.threshold
@@ -124,8 +128,8 @@ class ChunkedPolicy:
                 budget.schedule_running(request, 1)
         now = self.clock()
         self._settle(now)
-        share = PrefillShare(self.step_model, budget.planned, self.settings, budget.allocator.block_size, now,
-                             self.margin.factor)
+        share = PrefillShare(self.step_model, budget.planned, self.settings,
+                             max(budget.allocator.block_size, self.prompt_tile), now, self.margin.factor)
         decodes = [p.request for p in budget.planned] if share.target is not None else []
         self._spend_overrun(queues, share)
         # 2. Prompts already part-way through their prefill.

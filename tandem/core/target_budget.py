@@ -7,7 +7,9 @@ The rule, for one step, after the running decodes are planned:
   times the predicted step of the decodes alone, at least ``min_target_itl_ms``). Prefill chunks are granted, in
   rank order, the most tokens that keep the step-time model's prediction of the whole step
   within T. Whatever the prediction says, the step gets one KV block (``block_size`` tokens) of
-  prefill, so prompts never starve. With no decode running, or no target, the share is the
+  prefill, so prompts never starve; where the runner multiplies a long prompt's chunk in whole
+  tiles of rows (w8a8's bf16 road on AMX: 128), that minimum is one tile, which costs no more
+  than one block does there. With no decode running, or no target, the share is the
   whole token budget (``max_num_batched_tokens``).
 * **Noise margin.** With ``itl_margin_share`` s > 0 (0.005 by default), steps with prompt work
   are sized to T times a margin, so that measured gaps, not only predictions, stay within T at
@@ -184,7 +186,7 @@ class PrefillShare:
     """One step's prefill allowance: ``size`` a chunk, then ``take`` it once it is scheduled."""
 
     def __init__(self, model: StepTimeModel, planned: Sequence[Planned], settings: TargetSettings,
-                 block_size: int, now: float, margin: float = 1.0) -> None:
+                 min_tokens: int, now: float, margin: float = 1.0) -> None:
         self.model = model
         self.margin = margin
         """The share of T that steps with prompt work are sized to (``NoiseMargin.factor``)."""
@@ -199,7 +201,9 @@ class PrefillShare:
             # CPU and the batch instead of being one number for every machine
             self.target = max(settings.itl_target_factor * model.predict(self.decode_x),
                               settings.min_target_itl_ms / 1000.0)
-        self.min_tokens = block_size
+        self.min_tokens = min_tokens
+        """Prompt tokens a step carries whatever the prediction says: one KV block, or the
+        runner's prompt tile where a chunk costs whole tiles (``ChunkedPolicy.use_step_model``)."""
         self.granted = 0
 
     @property

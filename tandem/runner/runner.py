@@ -14,6 +14,7 @@ import torch
 from tandem.core.step import KVLayout, RunnerOutput, SampledToken, SchedulerOutput
 from tandem.models.base import CausalLM
 from tandem.models.context import ForwardContext, bf16_prompt_attention, bf16_prompt_rows, row_split
+from tandem.ops.dispatch import BF16_TILE_ROWS
 from tandem.ops.paged_attention import build_metadata
 from tandem.runner.grammar import GrammarCompiler
 from tandem.runner.sampler import Sampler
@@ -48,6 +49,9 @@ class ModelRunner:
         )
         self.sliding_window = spec.sliding_window if any(spec.is_sliding(i) for i in range(spec.num_layers)) else None
         self.grammar = grammar
+        self.prompt_tile = BF16_TILE_ROWS if model.ops.w8a8_prompt_bf16_tokens is not None else 1
+        """Rows a long prompt's chunk is multiplied in (w8a8's bf16 road: whole tiles, the last
+        padded), so a chunk of a few tokens costs what a tile costs; 1: any row count."""
         self.sampler = Sampler(device, seed, model.ops.argmax_rows, eos_token_ids, grammar)
 
     @torch.inference_mode()
