@@ -1,7 +1,7 @@
 """What a step pays once for carrying prompt work: sixteen decodes at context 256 alone, then with
 one fresh prompt chunk of 2 to 256 tokens, and each chunk alone, on the engine's default mode.
 
-    .venv/bin/python benchmarks/prompt_step_cost.py --out docs/results/intel-xeon-amx/prompt-step-cost.json
+    .venv/bin/python benchmarks/prompt_step_cost.py --out docs/results/intel-xeon-amx/2026-12-05/prompt-step-cost.json
 
 The extra time a chunk adds to the decode step, fitted as a line in its tokens over the small
 chunks (up to 64 tokens), has an intercept: the fixed cost of a prompt step (``per_prompt_step``
