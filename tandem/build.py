@@ -219,23 +219,28 @@ def step_prior(runner: ModelRunner, layout: KVLayout, max_model_len: int,
     (one decode, a short and a longer prompt chunk, a batch of decodes at a long context, a chunk
     behind a long context), fitted as the online model fits. The short chunk prices what a step
     pays once for carrying prompt work (``per_prompt_step``): without it, the first steps that mix
-    a prompt chunk into running decodes are predicted far too fast. They run before any request,
-    on the fresh KV cache: what they write there is overwritten before any request reads it."""
+    a prompt chunk into running decodes are predicted far too fast. The short chunk is the start of
+    a longer prompt, as the small chunks an ITL target cuts are: where the runner sends a request's
+    prompt rows down another road by the prompt's length (w8a8's bf16 road, in whole tiles of rows),
+    that road's price is the one to learn. They run before any request, on the fresh KV cache: what
+    they write there is overwritten before any request reads it."""
     positions = min(layout.num_slots, max_model_len)
     far = min(1024, positions - 128)
     chunk = max(1, min(128, positions - 1))
     short = max(2, min(16, chunk // 4))
-    shapes = [[(0, 1)], [(0, short)], [(0, chunk)]]
+    shapes = [[(0, 1, 1)], [(0, short, chunk)], [(0, chunk, chunk)]]  # (start, tokens, prompt length)
     if far > 0:
-        shapes += [[(far, 1)] * 8, [(far, 64)], [(far, 1)]]
+        shapes += [[(far, 1, far + 1)] * 8, [(far, 64, far + 64)], [(far, 1, far + 1)]]
     table = tuple(range(min(layout.num_blocks, layout.blocks_for(max(far + 64, chunk)))))
     params = SamplingParams(max_tokens=1, temperature=0.0)
     observations: list[Observation] = []
     deadline = clock() + WARMUP_SECONDS
-    for i, spans in enumerate(shapes):
+    for i, shape in enumerate(shapes):
         out = SchedulerOutput(step_id=0, chunks=tuple(
-            ScheduledChunk(f"warmup-{i}-{j}", start, (1,) * n, table, params, True, n == 1, start + n)
-            for j, (start, n) in enumerate(spans)))
+            ScheduledChunk(f"warmup-{i}-{j}", start, (1,) * n, table, params, start + n >= prompt, n == 1,
+                           prompt)
+            for j, (start, n, prompt) in enumerate(shape)))
+        spans = [(start, n) for start, n, _ in shape]
         best = float("inf")
         for _ in range(3):  # the first run of a shape pays its one-time costs; keep the best of the rest
             t = clock()

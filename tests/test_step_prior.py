@@ -37,3 +37,29 @@ def test_prior_without_a_prompt_step_cost_does_not_invent_one():
     for spans in ([(0, 1)], [(0, 16)], [(0, 256)], MIXED):
         x = features(spans)
         assert prior.predict(x) == pytest.approx(true.predict(x), rel=0.25)
+
+
+class TiledRoad:
+    """A step's cost where the prompt rows of prompts of 32+ tokens are multiplied in whole tiles of
+    128 rows (w8a8's bf16 road on AMX): a short chunk of a long prompt costs a tile, a fresh short
+    prompt only its rows."""
+
+    def __init__(self, linear: StepCost, tile_seconds: float) -> None:
+        self.linear, self.tile_seconds = linear, tile_seconds
+
+    def seconds(self, out) -> float:
+        spans = [(c.start, c.num_tokens) for c in out.chunks]
+        road = sum(c.num_tokens for c in out.chunks if not c.is_decode and c.num_prompt_tokens >= 32)
+        return self.linear.predict(features(spans)) + self.tile_seconds * -(-road // 128)
+
+
+def test_prior_prices_a_short_chunk_of_a_long_prompt_on_its_prompts_road():
+    linear = StepCost(base=0.008, per_token=0.0002, per_seq=0.0003, per_context=1e-6)
+    cost = TiledRoad(linear, tile_seconds=0.030)
+    clock = VirtualClock()
+    prior = step_prior(SimRunner(clock, cost), KVLayout(512, 16), 8192, clock=clock)
+    # sixteen decodes beside a 16-token chunk of a 256-token prompt: the step an ITL target cuts
+    mixed = [(128, 1)] * 16 + [(128, 16)]
+    truth = linear.predict(features(mixed)) + 0.030
+    assert prior.predict(features(mixed)) == pytest.approx(truth, rel=0.2)
+    assert prior.per_prompt_step > 0.015  # the tile, not a fresh short prompt's few rows
