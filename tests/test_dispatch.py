@@ -32,14 +32,32 @@ def test_float32_cpu_with_the_library_uses_every_kernel(monkeypatch):
     assert ops.rms_norm is not reference.rms_norm
 
 
-@pytest.mark.parametrize("name, fused", [("native-amx", True), ("native-avx512", False), ("native-avx2", False)])
-def test_the_greedy_argmax_moves_into_the_head_only_with_the_amx_kernels(monkeypatch, name, fused):
+@pytest.mark.parametrize("name, fused", [("native-amx", "fused-amx"), ("native-avx512", "fused-avx512"),
+                                         ("native-avx2", None)])
+def test_the_greedy_argmax_moves_into_the_head_only_with_the_packed_kernels(monkeypatch, name, fused):
     monkeypatch.setattr(dispatch.native, "best", lambda: SimpleNamespace(**{**vars(FAKE), "name": name}))
     monkeypatch.setattr(dispatch.native, "unavailable_reason", lambda: "")
     ops = select_ops("cpu", torch.float32)
-    assert ops.fused_head_argmax is fused
-    assert ops.choices["head_argmax"].impl == ("fused-amx" if fused else "argmax-kernel")
+    assert ops.fused_head_argmax is (fused is not None)
+    assert ops.choices["head_argmax"].impl == (fused or "argmax-kernel")
     assert not select_ops("cpu", torch.float32, disable=("head_argmax",)).fused_head_argmax
+
+
+@pytest.mark.parametrize("name, amx, bf16_road", [
+    ("native-amx", True, True),        # AMX: oneDNN's bf16 tiles beat the int8 tiles' kernel on prompt rows
+    ("native-avx512", False, False),   # AVX-512 VNNI without AMX: the packed integer kernel is faster
+    ("native-avx2", False, True),      # avx512_bf16 but only the AVX2 integer kernel (capped): bf16 road
+])
+def test_w8a8_prompt_rows_take_the_faster_road_for_the_kernels_at_hand(monkeypatch, name, amx, bf16_road):
+    monkeypatch.setattr(dispatch.native, "best", lambda: SimpleNamespace(**{**vars(FAKE), "name": name}))
+    monkeypatch.setattr(dispatch.native, "unavailable_reason", lambda: "")
+    monkeypatch.setattr(dispatch, "cpu_info", lambda: SimpleNamespace(bf16_arithmetic=True, amx_bf16=amx,
+                                                                      vendor="AuthenticAMD", has=lambda *f: True))
+    ops = select_ops("cpu", torch.float32)
+    assert (ops.w8a8_prompt_bf16_tokens is not None) is bf16_road
+    assert ops.choices["w8a8_prompt_matmul"].impl == ("onednn-bf16" if bf16_road else "w8a8-kernel")
+    if not bf16_road:
+        assert "packed VNNI kernel" in ops.choices["w8a8_prompt_matmul"].reason
 
 
 def test_bfloat16_cpu_with_the_library_uses_every_kernel_in_its_bf16_form(monkeypatch):

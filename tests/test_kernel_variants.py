@@ -1,4 +1,4 @@
-"""Which kernel variant a CPU gets, and the AMX variant's packed w8a8 weights."""
+"""Which kernel variant a CPU gets, and the packed w8a8 weights of the AMX and AVX-512 variants."""
 
 import pytest
 import torch
@@ -65,39 +65,44 @@ def test_a_variant_that_fails_to_load_falls_back_to_the_next(monkeypatch):
         native.best.cache_clear()
 
 
-@pytest.fixture
-def amx_kernels():
-    missing = [f for f in native.variant("amx").requires if f not in cpu_info().features]
+def _kernels(name):
+    missing = [f for f in native.variant(name).requires if f not in cpu_info().features]
     if missing:
-        pytest.skip(f"this CPU (or its OS) lacks {', '.join(missing)} for the amx kernels")
+        pytest.skip(f"this CPU (or its OS) lacks {', '.join(missing)} for the {name} kernels")
     if native._compiler() is None:
         pytest.skip("no C compiler: the kernels are not built here")
-    return native.load("amx")
+    return native.load(name)
 
 
-def test_amx_weights_are_packed_in_the_tiles_layout(amx_kernels):
+@pytest.fixture(params=["amx", "avx512"])
+def packed_kernels(request):
+    """The variants whose w8a8 kernel takes its weights packed: AMX tiles and AVX-512 VNNI."""
+    return _kernels(request.param)
+
+
+def test_w8a8_weights_are_packed_in_groups_of_16_rows(packed_kernels):
     q, _ = quantize_rows(torch.randn(48, 96))
-    packed = amx_kernels.w8a8_weight(q)
+    packed = packed_kernels.w8a8_weight(q)
     assert packed.shape == (3, 3, 8, 64)
     for n, k in ((0, 0), (17, 37), (47, 95), (31, 64)):
         t, b, k4, r = n // 16, k // 32, (k % 32) // 4, k % 4
         assert packed[t, b, k4, 4 * (n % 16) + r] == q[n, k]
     odd = quantize_rows(torch.randn(40, 96))[0]  # 40 rows: not whole groups of 16, left as they are
-    assert amx_kernels.w8a8_weight(odd) is odd
+    assert packed_kernels.w8a8_weight(odd) is odd
     with pytest.raises(ValueError, match="pass Kernels.w8a8_weight"):
-        amx_kernels.gemm_w8a8(torch.randn(2, 96), q, torch.ones(48))
+        packed_kernels.gemm_w8a8(torch.randn(2, 96), q, torch.ones(48))
 
 
-def test_a_packed_linear_gives_its_rows_back(amx_kernels):
+def test_a_packed_linear_gives_its_rows_back(packed_kernels):
     """The tied embedding reads its rows from the packed head; the bf16 road unpacks it once."""
     q, s = quantize_rows(torch.randn(64, 64))
-    lin = Int8Linear(q, s, None, w8a8=True, kernels=amx_kernels)
+    lin = Int8Linear(q, s, None, w8a8=True, kernels=packed_kernels)
     assert lin.packed and lin.qweight.dim() == 4
     assert torch.equal(lin.weight_rows(), q)
     ids = torch.tensor([0, 63, 17, 17, 40])
     assert torch.equal(lin.weight_rows(ids), q[ids])
     assert torch.equal(lin.rows(ids), q[ids].float() * s[ids, None])
-    plain = Int8Linear(q, s, None, w8a8=True, kernels=native.load("avx512"))
+    plain = Int8Linear(q, s, None, w8a8=True, kernels=_kernels("avx2"))
     assert not plain.packed and plain.weight_rows() is plain.qweight
     x = torch.randn(5, 64)
     # the same arithmetic up to float rounding: the two kernels sum a block's products in another order
@@ -106,22 +111,22 @@ def test_a_packed_linear_gives_its_rows_back(amx_kernels):
 
 @pytest.mark.parametrize("m", [1, 2, 16, 17, 40])
 @pytest.mark.parametrize("n, k", [(48, 96), (4096, 64), (272, 640)])
-def test_the_fused_argmax_finds_what_the_argmax_of_the_product_finds(amx_kernels, m, n, k):
+def test_the_fused_argmax_finds_what_the_argmax_of_the_product_finds(packed_kernels, m, n, k):
     torch.manual_seed(m * 7 + n)
     q, s = quantize_rows(torch.randn(n, k))
     q[n // 2] = q[n // 3]  # two equal weight rows: equal outputs, the first index must win
     s[n // 2] = s[n // 3]
-    packed = amx_kernels.w8a8_weight(q)
+    packed = packed_kernels.w8a8_weight(q)
     x = torch.randn(m, k)
     x[0] = 0.0  # every output 0: index 0
-    want = amx_kernels.argmax_rows(amx_kernels.gemm_w8a8(x, packed, s))
-    assert torch.equal(amx_kernels.gemm_w8a8_argmax(x, packed, s), want)
+    want = packed_kernels.argmax_rows(packed_kernels.gemm_w8a8(x, packed, s))
+    assert torch.equal(packed_kernels.gemm_w8a8_argmax(x, packed, s), want)
     assert want[0] == 0
     with pytest.raises(ValueError, match="packed"):
-        amx_kernels.gemm_w8a8_argmax(x, q, s)
+        packed_kernels.gemm_w8a8_argmax(x, q, s)
 
 
-def test_greedy_steps_take_their_tokens_from_the_heads_kernel_and_the_same_ones(amx_kernels, tmp_path):
+def test_greedy_steps_take_their_tokens_from_the_heads_kernel_and_the_same_ones(packed_kernels, tmp_path):
     """A greedy step's tokens come from the head's fused argmax; with it off, or with a row that
     wants logprobs (the step makes its logits), every token is the same."""
     from dataclasses import replace
@@ -132,9 +137,10 @@ def test_greedy_steps_take_their_tokens_from_the_heads_kernel_and_the_same_ones(
     save_tiny("gemma3", tmp_path)
     llm = LLM(str(tmp_path), dtype="float32", device="cpu", quantization="w8a8", max_num_batched_tokens=32)
     model = llm.loaded.model
-    if llm.loaded.paths()["ops"]["int8_matmul"] != "native-amx":
-        pytest.skip("the model was built on other kernels (TANDEM_KERNEL_ISA caps them?)")
-    assert model.fused_argmax and llm.loaded.paths()["ops"]["head_argmax"] == "fused-amx"
+    kernel = llm.loaded.paths()["ops"]["int8_matmul"]
+    if kernel != packed_kernels.name:
+        pytest.skip(f"the model was built on the {kernel} kernels, not {packed_kernels.name} (the best here)")
+    assert model.fused_argmax and llm.loaded.paths()["ops"]["head_argmax"] == "fused-" + kernel.split("-")[1]
     fused_calls = []
     head_argmax = model.lm_head.argmax
     model.lm_head.argmax = lambda x: fused_calls.append(len(x)) or head_argmax(x)

@@ -175,8 +175,9 @@ void tandem_dequant_i8(const int8_t *w, const float *scale, float *out, long n0,
  */
 #define QBLOCK 32
 
-/* x [M, K] float -> xq [M, K] int8 and xs [M, K / QBLOCK] float (K a multiple of QBLOCK). */
-static void quantize_rows_i8(const float *x, int8_t *xq, float *xs, long M, long K) {
+/* x [M, K] float -> xq [M, K] int8 and xs [M, K / QBLOCK] float (K a multiple of QBLOCK); each
+ * byte of xq stored xor `flip` (W8A8_PACKED_XOR for the packed kernel, else 0). */
+static void quantize_rows_i8(const float *x, int8_t *xq, float *xs, long M, long K, int flip) {
     long nb = K / QBLOCK;
 #pragma omp for schedule(static)
     for (long mb = 0; mb < M * nb; mb++) {
@@ -195,7 +196,8 @@ static void quantize_rows_i8(const float *x, int8_t *xq, float *xs, long M, long
             __m256i q = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(src + t), inv),
                                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
             __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-            _mm_storel_epi64((__m128i *)(dst + t), _mm_packs_epi16(p16, p16));
+            _mm_storel_epi64((__m128i *)(dst + t),
+                             _mm_xor_si128(_mm_packs_epi16(p16, p16), _mm_set1_epi8((char)flip)));
         }
     }
 }
@@ -298,12 +300,13 @@ DEFINE_QBLOCK(3, 4)
 DEFINE_QBLOCK(4, 2)
 
 /* K must be a multiple of QBLOCK; xq (M * K bytes) and xs (M * K / QBLOCK floats) are scratch.
- * Where tandem_w8a8_packs(N, K), w is in the AMX tiles' layout and the product runs there. */
+ * Where tandem_w8a8_packs(N, K), w is in the packed layout and the product runs there (packed_w8a8.c). */
 void tandem_team_gemm_w8a8(const float *x, const int8_t *w, const float *scale, float *y, long M, long N, long K,
                            int8_t *xq, float *xs) {
-    quantize_rows_i8(x, xq, xs, M, K);
-    if (tandem_w8a8_packs(N, K)) {
-        tandem_team_gemm_w8a8_amx(xq, xs, w, scale, y, M, N, K);
+    int packed = (int)tandem_w8a8_packs(N, K);
+    quantize_rows_i8(x, xq, xs, M, K, packed ? W8A8_PACKED_XOR : 0);
+    if (packed) {
+        tandem_team_gemm_w8a8_packed(xq, xs, w, scale, y, M, N, K);
         return;
     }
     Inputs in = {NULL, xq, xs, K};
@@ -313,24 +316,25 @@ void tandem_team_gemm_w8a8(const float *x, const int8_t *w, const float *scale, 
 void tandem_gemm_w8a8(const float *x, const int8_t *w, const float *scale, float *y, long M, long N, long K,
                       int8_t *xq, float *xs) {
     /* A decode step's few rows are quicker to round here than to hand to the threads. */
+    int packed = (int)tandem_w8a8_packs(N, K);
 #pragma omp parallel if (M * K >= 16384)
-    quantize_rows_i8(x, xq, xs, M, K);
-    if (tandem_w8a8_packs(N, K)) {
+    quantize_rows_i8(x, xq, xs, M, K, packed ? W8A8_PACKED_XOR : 0);
+    if (packed) {
 #pragma omp parallel
-        tandem_team_gemm_w8a8_amx(xq, xs, w, scale, y, M, N, K);
+        tandem_team_gemm_w8a8_packed(xq, xs, w, scale, y, M, N, K);
         return;
     }
     Inputs in = {NULL, xq, xs, K};
     RUN_TILES(q, &in, w, scale, y, M, N);
 }
 
-/* Per row, the index of the product's largest value (amx_w8a8.c: tandem_team_w8a8_amx_argmax),
- * for a weight the AMX tiles take packed (tandem_w8a8_packs). */
+/* Per row, the index of the product's largest value (packed_w8a8.c: tandem_team_w8a8_packed_argmax),
+ * for a weight this build takes packed (tandem_w8a8_packs). */
 void tandem_gemm_w8a8_argmax(const float *x, const int8_t *w, const float *scale, int64_t *out, long M, long N,
                              long K, int8_t *xq, float *xs, float *scratch) {
 #pragma omp parallel
     {
-        quantize_rows_i8(x, xq, xs, M, K);
-        tandem_team_w8a8_amx_argmax(xq, xs, w, scale, out, M, N, K, scratch);
+        quantize_rows_i8(x, xq, xs, M, K, W8A8_PACKED_XOR);
+        tandem_team_w8a8_packed_argmax(xq, xs, w, scale, out, M, N, K, scratch);
     }
 }

@@ -34,7 +34,7 @@ from tandem.paths import default_cache_dir
 log = logging.getLogger("tandem.kernels")
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("int8_gemm.c", "amx_w8a8.c", "int4_gemm.c", "cpu_ops.c", "decode_attention.c", "bf16_ops.c", "decode_layers.c",
+    for name in ("int8_gemm.c", "packed_w8a8.c", "int4_gemm.c", "cpu_ops.c", "decode_attention.c", "bf16_ops.c", "decode_layers.c",
                  "threads.c")
 )
 LIBRARY = "tandem_kernels"
@@ -56,7 +56,7 @@ class Variant:
 # -march=native: the cache directory may be shared by machines of different kinds.
 _AVX512 = ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni")
 VARIANTS = (
-    # the w8a8 products on AMX int8 tiles (amx_w8a8.c); needs the OS's tile permission, which
+    # the w8a8 products on AMX int8 tiles (packed_w8a8.c); needs the OS's tile permission, which
     # cpu_features asks for before it counts the AMX features as usable
     Variant("amx", (*_AVX512, "-mamx-tile", "-mamx-int8"), ("avx2", "avx512", "avx512_vnni", "amx_tile", "amx_int8")),
     Variant("avx512", _AVX512, ("avx2", "avx512", "avx512_vnni")),
@@ -289,8 +289,8 @@ class Kernels:
 
     def w8a8_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """int8 ``weight`` [N, K] in the layout this variant's w8a8 kernel reads: itself, or where
-        the AMX tiles multiply it (``tandem_w8a8_packs``) a packed copy [N / 16, K / 32, 8, 64]
-        (amx_w8a8.c): for weight rows 16 t + n and block b, ``[t, b, k4, 4 n + r]`` holds
+        its kernel takes it packed (``tandem_w8a8_packs``: AMX tiles or AVX-512 VNNI) a packed copy
+        [N / 16, K / 32, 8, 64] (packed_w8a8.c): for weight rows 16 t + n and block b, ``[t, b, k4, 4 n + r]`` holds
         ``weight[16 t + n, 32 b + 4 k4 + r]``."""
         n, k = weight.shape
         if not self._packs(n, k):
@@ -350,9 +350,9 @@ class Kernels:
 
     def gemm_w8a8_argmax(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """``argmax_rows(gemm_w8a8(x, weight, scale))`` without making the product: int64 [M], the
-        same indices. Only for a weight packed for the AMX tiles (``w8a8_weight``)."""
+        same indices. Only for a weight packed for this variant's kernel (``w8a8_weight``)."""
         if weight.dim() != 4:
-            raise ValueError("gemm_w8a8_argmax: takes a weight packed for the AMX tiles (Kernels.w8a8_weight)")
+            raise ValueError("gemm_w8a8_argmax: takes a packed weight (Kernels.w8a8_weight)")
         lib = self._lib()
         m, n, k, xq = self._w8a8_inputs("gemm_w8a8_argmax", x, weight)
         out = torch.empty(m, dtype=torch.int64)

@@ -23,14 +23,19 @@ void tandem_team_qkv_to_cache(const float *qkv, long T, long H, long KVH, long D
                               const int64_t *slots, float *q_out, float *k_cache, float *v_cache);
 void tandem_team_gemm_w8a8(const float *x, const int8_t *w, const float *scale, float *y, long M, long N, long K,
                            int8_t *xq, float *xs);
-/* amx_w8a8.c: 1 where this build multiplies an [N, K] w8a8 weight on AMX tiles, which take it
- * packed in their own layout (the w8a8 entry points then take it so), else 0; the product on
- * already rounded inputs xq / xs. */
+/* packed_w8a8.c: 1 where this build multiplies an [N, K] w8a8 weight packed in groups of 16 rows
+ * (AMX tiles or AVX-512 VNNI; the w8a8 entry points then take it so), else 0; the product on
+ * already rounded inputs xq / xs, whose bytes hold the rounded values xor W8A8_PACKED_XOR. */
 long tandem_w8a8_packs(long N, long K);
-void tandem_team_gemm_w8a8_amx(const int8_t *xq, const float *xs, const int8_t *wp, const float *scale, float *y,
-                               long M, long N, long K);
-void tandem_team_w8a8_amx_argmax(const int8_t *xq, const float *xs, const int8_t *wp, const float *scale,
-                                 int64_t *out, long M, long N, long K, float *scratch);
+#if defined(__AMX_INT8__) || !defined(__AVX512VNNI__)
+#define W8A8_PACKED_XOR 0x00 /* tdpbssd multiplies signed bytes by signed bytes */
+#else
+#define W8A8_PACKED_XOR 0x80 /* vpdpbusd takes its first operand unsigned: the inputs plus 128 */
+#endif
+void tandem_team_gemm_w8a8_packed(const int8_t *xq, const float *xs, const int8_t *wp, const float *scale, float *y,
+                                  long M, long N, long K);
+void tandem_team_w8a8_packed_argmax(const int8_t *xq, const float *xs, const int8_t *wp, const float *scale,
+                                    int64_t *out, long M, long N, long K, float *scratch);
 
 /* Scratch of the float32 decode attention: first [S + 1] longs, partial [parts * KVH * G * (D + 2)]
  * floats (parts: the sum over sequences of their parts, see decode_attention_parts), and per

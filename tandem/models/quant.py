@@ -181,8 +181,8 @@ class Int8Linear(QuantLinear):
         super().__init__(*qweight.shape, bias)
         self.w8a8 = w8a8
         self.kernels = kernels
-        # w8a8 on the kernels: the weights in the layout their kernel reads (packed for AMX
-        # tiles, else as they are); ``weight_rows`` gives them back as [N, K]
+        # w8a8 on the kernels: the weights in the layout their kernel reads (packed in groups of
+        # 16 rows for AMX tiles or AVX-512 VNNI, else as they are); ``weight_rows`` gives them back as [N, K]
         self.register_buffer("qweight", kernels.w8a8_weight(qweight) if w8a8 and kernels is not None else qweight)
         self.register_buffer("scale", scale)
         self._bf16_weight: TiledBf16Weight | None = None  # w8a8's prompt rows, made at first use
@@ -201,12 +201,12 @@ class Int8Linear(QuantLinear):
 
     @property
     def packed(self) -> bool:
-        """The weights are in the AMX tiles' layout (``Kernels.w8a8_weight``)."""
+        """The weights are in the packed kernel's layout (``Kernels.w8a8_weight``)."""
         return self._buffers["qweight"].dim() == 4
 
     @property
     def fused_argmax(self) -> bool:
-        """``argmax`` runs inside the product's kernel (AMX-packed, no bias)."""
+        """``argmax`` runs inside the product's kernel (packed, no bias)."""
         return self.packed and self.bias is None
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
@@ -241,7 +241,7 @@ class Int8Linear(QuantLinear):
         return self.weight_rows(ids).float() * self.scale[ids, None]
 
     def extra_repr(self) -> str:
-        mode = ("w8a8, packed for AMX tiles" if self.packed else "w8a8") if self.w8a8 else "int8 weights"
+        mode = ("w8a8, packed in groups of 16 rows" if self.packed else "w8a8") if self.w8a8 else "int8 weights"
         return f"in_features={self.in_features}, out_features={self.out_features}, {mode}"
 
 

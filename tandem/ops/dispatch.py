@@ -83,7 +83,7 @@ class OpTable:
     softmax in float32 inside), their float32 queries, keys and values rounded for the call."""
     fused_head_argmax: bool = False
     """Steps whose every row is plain greedy take each row's token inside the output head's
-    kernel (a w8a8 head packed for AMX tiles), no logits made; False: the argmax of the logits."""
+    kernel (a packed w8a8 head: AMX tiles or AVX-512 VNNI), no logits made; False: the argmax of the logits."""
     prompt_attention_matmul: bool = False
     """Prompts attending in float32 on the CPU run as oneDNN matmuls (``tandem.ops.matmul_attention``);
     False: torch's SDPA."""
@@ -151,13 +151,16 @@ def select_ops(
     pick("argmax", cpu_lib, why_not)  # logits are float32 whatever the model's dtype
     pick("int8_matmul", cpu_lib, why_not)
     pick("int4_matmul", cpu_lib, why_not)
-    # w8a8's prompt rows: the integer kernel pays a conversion and a float multiply-add per VNNI
-    # product (each block of 32 inputs has its own scale), oneDNN's bf16 dot product neither, so
-    # where the CPU has bf16 arithmetic prompt rows run faster there (docs/performance.md).
+    # w8a8's prompt rows: on AMX, oneDNN's bf16 tiles multiply them faster than the int8 tiles'
+    # kernel; with AVX-512 VNNI and no AMX the packed integer kernel wins (two products per
+    # instruction for bf16's one, a conversion per 512: Zen 4, 1.3-1.4x the prefill of the bf16
+    # road, docs/performance.md); without either neither road has bf16 arithmetic to stand on
     info = cpu_info()
     why_prompt = _first_reason(
         (device.type != "cpu" or dtype != torch.float32, "w8a8 runs float32 activations on the CPU only"),
-        (not info.bf16_arithmetic, "this CPU has no bf16 arithmetic (avx512_bf16 or AMX)"))
+        (not info.bf16_arithmetic, "this CPU has no bf16 arithmetic (avx512_bf16 or AMX)"),
+        (not info.amx_bf16 and kernel == "native-avx512" and use["int8_matmul"],
+         "no AMX bf16 tiles here: the packed VNNI kernel multiplies prompt rows faster than oneDNN's bf16"))
     pick("w8a8_prompt_matmul", not why_prompt, why_prompt, "w8a8-kernel", chosen=Choice(
         "onednn-bf16", f"w8a8 layers: the prompt positions of prompts of {W8A8_PROMPT_BF16_TOKENS}+ tokens "
                        "through bf16 matmuls of the exact int8 weights (float32 activations rounded to bf16), "
@@ -197,14 +200,17 @@ def select_ops(
     pick("decode_layers", not why_layers, why_layers, "per-op", chosen=Choice(
         kernel, "w8a8 models: a decode step's layers in one C call (one OpenMP region); other weight "
                 "formats and steps with prompt tokens op by op"))
-    # greedy steps of a w8a8 model: the token inside the output head's AMX kernel (the logits,
-    # 1 MiB a row for Gemma 3, never written and read back)
+    # greedy steps of a w8a8 model: the token inside the output head's packed kernel (the
+    # logits, 1 MiB a row for Gemma 3, never written and read back)
+    packed_isa = {"native-amx": "amx", "native-avx512": "avx512"}.get(kernel)
     why_fused_argmax = _first_reason(
         (not use["int8_matmul"], why_not or "the int8 kernels are off"),
-        (kernel != "native-amx", f"the fused argmax is the AMX head kernel's; this CPU runs the {kernel} kernels"))
+        (packed_isa is None, f"the fused argmax is the packed head kernel's (AMX or AVX-512 VNNI); "
+                             f"this CPU runs the {kernel} kernels"))
     pick("head_argmax", not why_fused_argmax, why_fused_argmax, "argmax-kernel", chosen=Choice(
-        "fused-amx", "w8a8 models: steps whose rows are all plain greedy (no logprobs, penalties or constraints) "
-                     "find each token inside the output head's AMX kernel, without writing the logits"))
+        f"fused-{packed_isa}", "w8a8 models: steps whose rows are all plain greedy (no logprobs, penalties or "
+                               "constraints) find each token inside the output head's packed kernel, without "
+                               "writing the logits"))
     unknown = disable - set(choices)
     if unknown:
         raise ValueError(f"disable: unknown ops {', '.join(sorted(unknown))}; known: {', '.join(choices)}")

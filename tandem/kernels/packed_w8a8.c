@@ -1,30 +1,38 @@
-/* The w8a8 product (int8_gemm.c) on AMX int8 tiles, where the library is built for them
- * (tandem/kernels/native.py VARIANTS: "amx").
+/* The w8a8 product (int8_gemm.c) on weights packed in groups of 16 rows, where the library is
+ * built for AMX int8 tiles or for AVX-512 VNNI (tandem/kernels/native.py VARIANTS: "amx",
+ * "avx512").
  *
  *   y[m, n] = scale[n] * sum_b xs[m, b] * sum_{k in block b} xq[m, k] * w[n, k]
  *
- * One tile multiply (tdpbssd) sums the int8 products of up to 16 input rows by 16 weight rows
- * over one block of QBLOCK = 32 values, exactly, in int32; the block's sums are stored, widened
- * to float and multiplied by the rows' activation scales with AVX-512, accumulated in registers
- * over the blocks in order. The VNNI kernel spends a conversion and a float multiply-add for
- * every 64 products of one (row, weight row) pair; here they cover 512, so at 16 rows the output
- * head (262,144 x 640) ran in 7.1 ms instead of 22.6 (Xeon with AMX, benchmarks/int8_kernel.py), and a
- * single row is bound by reading the weights as before.
+ * For a group of 16 weight rows, each block of QBLOCK = 32 values is summed exactly in int32 for
+ * every input row, then widened to float and multiplied by the row's activation scale,
+ * accumulated over the blocks in order:
+ *
+ * - AMX: one tile multiply (tdpbssd) sums up to 16 input rows by the 16 weight rows over a block;
+ *   the sums are stored and scaled with AVX-512.
+ * - VNNI: eight vpdpbusd per input row and block, each taking four consecutive k of the 16
+ *   weight rows (one 64-byte row of the packed block) against those four inputs broadcast.
+ *
+ * Either way a conversion and a float multiply-add cover 512 products of one input row, where
+ * the unpacked VNNI kernel (int8_gemm.c) spends them on every 64; at 16 rows the output head
+ * (262,144 x 640) ran in 7.1 ms on AMX instead of 22.6 (Xeon with AMX, benchmarks/int8_kernel.py).
+ * A single row is bound by reading the weights, which each thread streams from memory in order.
  *
  * Each (m, n) sums its blocks in the same order whatever the row count, and the block sums are
- * exact, so a row's result never depends on the rows beside it (batch invariance). It differs
- * from the VNNI kernel's in float rounding only: that kernel sums partial products per lane
- * before its final reduction.
+ * exact, so a row's result never depends on the rows beside it (batch invariance), and the two
+ * builds give the same bits. They differ from the unpacked kernel's in float rounding only: that
+ * kernel sums partial products per lane before its final reduction.
  *
- * The weights are packed once (tandem.kernels.native.Kernels.w8a8_weight) in the tiles' own
- * layout: for each group of 16 weight rows and each block, 8 rows of 64 bytes holding four
- * consecutive k of each of the 16 weight rows,
+ * The weights are packed once (tandem.kernels.native.Kernels.w8a8_weight): for each group of 16
+ * weight rows and each block, 8 rows of 64 bytes holding four consecutive k of each of the 16
+ * weight rows,
  *
- *   wp[t][b][k4][4 n + r] = w[16 t + n][32 b + 4 k4 + r],
+ *   wp[t][b][k4][4 n + r] = w[16 t + n][32 b + 4 k4 + r].
  *
- * so each thread streams its share of the weights from memory in order. The OS must have granted
- * the process the tile state (tandem.kernels.cpu_features asks, as torch does, before the
- * variant loads).
+ * vpdpbusd multiplies unsigned by signed bytes, so the VNNI build takes its inputs offset by 128
+ * (int8_gemm.c's rounding stores them so: W8A8_PACKED_XOR in team.h) and starts each block's sums
+ * at minus 128 times the block's weight sums. For AMX the OS must have granted the process the
+ * tile state (tandem.kernels.cpu_features asks, as torch does, before the variant loads).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -42,13 +50,14 @@
  * batch 1) read them at about three quarters of the rate the VNNI kernel reaches. */
 #define PREFETCH_BYTES 8192
 
-/* The scratch of tandem_team_w8a8_amx_argmax, in floats: per thread a best value and index per
+/* The scratch of tandem_team_w8a8_packed_argmax, in floats: per thread a best value and index per
  * row and lane, then per thread a best per row. */
 long tandem_w8a8_argmax_scratch(long M, long threads) { return threads * M * (2 * GROUP + 3); }
 
-#ifdef __AMX_INT8__
+#if defined(__AMX_INT8__) || defined(__AVX512VNNI__)
 long tandem_w8a8_packs(long N, long K) { return N % GROUP == 0 && K % QBLOCK == 0; }
 
+#ifdef __AMX_INT8__
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -84,6 +93,9 @@ static inline int tile_rows(long M, long m0, int *configured) {
     }
     return rows;
 }
+
+#define RELEASE_TILES(configured) \
+    if (configured) _tile_release();
 
 /* acc[i] += xs[i, b] * sums[i] for the tile's rows. */
 #define SCALE_ADD(sums, b)                                                                          \
@@ -128,8 +140,57 @@ static inline __attribute__((always_inline)) void group_sums(const int8_t *xq, c
     }
 }
 
-void tandem_team_gemm_w8a8_amx(const int8_t *xq, const float *xs, const int8_t *wp, const float *scale, float *y,
-                               long M, long N, long K) {
+#else /* AVX-512 VNNI */
+
+/* The row count of the tile of input rows from m0 (at most ROWS); no state to set up. */
+static inline int tile_rows(long M, long m0, int *configured) {
+    (void)configured;
+    return M - m0 < ROWS ? (int)(M - m0) : ROWS;
+}
+
+#define RELEASE_TILES(configured) (void)(configured);
+
+/* As the AMX group_sums: acc[i] holds row m0 + i's 16 sums before the weights' scales. xq holds
+ * the inputs plus 128 (W8A8_PACKED_XOR). Per block, the eight 64-byte rows of the weights stay in
+ * registers for every input row; each row's sums start at minus 128 times the weights' sums. */
+static inline __attribute__((always_inline)) void group_sums(const int8_t *xq, const float *xs, const int8_t *wt,
+                                                            long m0, int rows, long K, __m512 *acc) {
+    long nb = K / QBLOCK;
+    const uint8_t *xa = (const uint8_t *)xq + m0 * K;
+    const __m512i offset = _mm512_set1_epi8((char)0x80);
+    for (int i = 0; i < ROWS; i++) acc[i] = _mm512_setzero_ps();
+    for (long b = 0; b < nb; b++) {
+        const int8_t *wb = wt + b * BLOCK_BYTES;
+        if (m0 == 0) /* the first row tile streams the weights; the others find them in cache */
+            for (int p = 0; p < BLOCK_BYTES; p += 64)
+                _mm_prefetch((const char *)(wb + PREFETCH_BYTES + p), _MM_HINT_T0);
+        /* two chains of four products each, so a single row does not wait on one chain of eight */
+        __m512i w[QBLOCK / 4], c0 = _mm512_setzero_si512(), c1 = _mm512_setzero_si512();
+        for (int k4 = 0; k4 < QBLOCK / 4; k4 += 2) {
+            w[k4] = _mm512_loadu_si512((const void *)(wb + 64 * k4));
+            w[k4 + 1] = _mm512_loadu_si512((const void *)(wb + 64 * (k4 + 1)));
+            c0 = _mm512_dpbusd_epi32(c0, offset, w[k4]);
+            c1 = _mm512_dpbusd_epi32(c1, offset, w[k4 + 1]);
+        }
+        const __m512i neg = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_add_epi32(c0, c1));
+        const uint8_t *xb = xa + b * QBLOCK;
+        for (int i = 0; i < ROWS; i++)
+            if (i < rows) {
+                __m512i s0 = neg, s1 = _mm512_setzero_si512();
+                for (int k4 = 0; k4 < QBLOCK / 4; k4 += 2) { /* each four inputs broadcast from memory */
+                    const uint8_t *x4 = xb + i * K + 4 * k4;
+                    s0 = _mm512_dpbusd_epi32(s0, _mm512_broadcastd_epi32(_mm_loadu_si32(x4)), w[k4]);
+                    s1 = _mm512_dpbusd_epi32(s1, _mm512_broadcastd_epi32(_mm_loadu_si32(x4 + 4)), w[k4 + 1]);
+                }
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
+                                         _mm512_set1_ps(xs[(m0 + i) * nb + b]), acc[i]);
+            }
+    }
+}
+#endif
+
+void tandem_team_gemm_w8a8_packed(const int8_t *xq, const float *xs, const int8_t *wp, const float *scale, float *y,
+                                  long M, long N, long K) {
     long nb = K / QBLOCK, groups = N / GROUP;
     int configured = 0;
 #pragma omp for schedule(static)
@@ -142,7 +203,7 @@ void tandem_team_gemm_w8a8_amx(const int8_t *xq, const float *xs, const int8_t *
             for (int i = 0; i < rows; i++) _mm512_storeu_ps(y + (m0 + i) * N + t * GROUP, _mm512_mul_ps(acc[i], s));
         }
     }
-    if (configured) _tile_release();
+    RELEASE_TILES(configured)
 }
 
 /* (v, i) replaces the best so far (*bm, *ba) if it is a candidate (i >= 0) and larger, or equal
@@ -160,8 +221,8 @@ static inline void keep_better(float v, long i, float *bm, long *ba) {
  * and reading back a [M, N] table of logits (262,144 floats a row for Gemma 3). Each thread keeps
  * a running best per row and lane over its groups, then its best per row; one thread merges them
  * in index order. scratch: tandem_w8a8_argmax_scratch(M, threads) floats, 64-byte aligned. */
-void tandem_team_w8a8_amx_argmax(const int8_t *xq, const float *xs, const int8_t *wp, const float *scale,
-                                 int64_t *out, long M, long N, long K, float *scratch) {
+void tandem_team_w8a8_packed_argmax(const int8_t *xq, const float *xs, const int8_t *wp, const float *scale,
+                                    int64_t *out, long M, long N, long K, float *scratch) {
     long nb = K / QBLOCK, groups = N / GROUP, threads = omp_get_num_threads(), me = omp_get_thread_num();
     float *lane_v = scratch + me * M * 2 * GROUP;
     int32_t *lane_i = (int32_t *)(lane_v + M * GROUP);
@@ -191,7 +252,7 @@ void tandem_team_w8a8_amx_argmax(const int8_t *xq, const float *xs, const int8_t
             }
         }
     }
-    if (configured) _tile_release();
+    RELEASE_TILES(configured)
     for (long r = 0; r < M; r++) { /* this thread's best per row over its lanes */
         float bm = -INFINITY;
         long ba = -1;
@@ -212,17 +273,17 @@ void tandem_team_w8a8_amx_argmax(const int8_t *xq, const float *xs, const int8_t
 long tandem_w8a8_packs(long N, long K) {
     (void)N;
     (void)K;
-    return 0; /* this build has no AMX: the weights stay [N, K] for the VNNI or AVX2 kernel */
+    return 0; /* this build has neither AMX nor VNNI: the weights stay [N, K] for the AVX2 kernel */
 }
 
 /* never called where nothing packs (above) */
-void tandem_team_gemm_w8a8_amx(const int8_t *xq, const float *xs, const int8_t *wp, const float *scale, float *y,
-                               long M, long N, long K) {
+void tandem_team_gemm_w8a8_packed(const int8_t *xq, const float *xs, const int8_t *wp, const float *scale, float *y,
+                                  long M, long N, long K) {
     (void)xq, (void)xs, (void)wp, (void)scale, (void)y, (void)M, (void)N, (void)K;
 }
 
-void tandem_team_w8a8_amx_argmax(const int8_t *xq, const float *xs, const int8_t *wp, const float *scale,
-                                 int64_t *out, long M, long N, long K, float *scratch) {
+void tandem_team_w8a8_packed_argmax(const int8_t *xq, const float *xs, const int8_t *wp, const float *scale,
+                                    int64_t *out, long M, long N, long K, float *scratch) {
     (void)xq, (void)xs, (void)wp, (void)scale, (void)out, (void)M, (void)N, (void)K, (void)scratch;
 }
 #endif
