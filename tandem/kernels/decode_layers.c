@@ -78,7 +78,7 @@ static Layout layout(const DecodeModel *m, long T, long parts, long threads) {
     o.partial = up64(o.act + T * I);                 /* attention part records */
     o.prob = up64(o.partial + parts * KVH * G * (D + 2) + 1);
     o.xs = up64(o.prob + threads * tandem_decode_attention_prob_floats(G, D));
-    o.xq = up64(o.xs + T * widest_in / 32);          /* w8a8 rounded inputs: bytes */
+    o.xq = up64(o.xs + T * widest_in / 16);          /* w8a8 rounded inputs: bytes (before: scales, corrections) */
     o.first = up64(o.xq + (T * widest_in + 3) / 4);  /* attention's first parts: T + 1 longs */
     o.size = up64(o.first + 2 * (T + 1));
     return o;

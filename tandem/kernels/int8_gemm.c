@@ -175,10 +175,12 @@ void tandem_dequant_i8(const int8_t *w, const float *scale, float *out, long n0,
  */
 #define QBLOCK 32
 
-/* x [M, K] float -> xq [M, K] int8 and xs [M, K / QBLOCK] float (K a multiple of QBLOCK); each
- * byte of xq stored xor `flip` (W8A8_PACKED_XOR for the packed kernel, else 0). */
-static void quantize_rows_i8(const float *x, int8_t *xq, float *xs, long M, long K, int flip) {
+/* x [M, K] float -> xq [M, K] int8 and xs [M, K / QBLOCK] float (K a multiple of QBLOCK); with
+ * `sums`, also minus 128 times each block's sum of rounded values, as int32 after xs (the packed
+ * VNNI kernel's corrections: team.h, W8A8_BLOCK_SUMS). */
+static void quantize_rows_i8(const float *x, int8_t *xq, float *xs, long M, long K, int sums) {
     long nb = K / QBLOCK;
+    int32_t *corr = (int32_t *)(xs + M * nb);
 #pragma omp for schedule(static)
     for (long mb = 0; mb < M * nb; mb++) {
         const float *src = x + mb * QBLOCK;
@@ -192,12 +194,19 @@ static void quantize_rows_i8(const float *x, int8_t *xq, float *xs, long M, long
         float d = m / 127.0f;
         xs[mb] = d;
         __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+        __m256i total = _mm256_setzero_si256();
         for (int t = 0; t < QBLOCK; t += 8) {
             __m256i q = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(src + t), inv),
                                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            total = _mm256_add_epi32(total, q);
             __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-            _mm_storel_epi64((__m128i *)(dst + t),
-                             _mm_xor_si128(_mm_packs_epi16(p16, p16), _mm_set1_epi8((char)flip)));
+            _mm_storel_epi64((__m128i *)(dst + t), _mm_packs_epi16(p16, p16));
+        }
+        if (sums) {
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+            corr[mb] = -128 * _mm_cvtsi128_si32(s4);
         }
     }
 }
@@ -299,12 +308,12 @@ DEFINE_QBLOCK(2, 4)
 DEFINE_QBLOCK(3, 4)
 DEFINE_QBLOCK(4, 2)
 
-/* K must be a multiple of QBLOCK; xq (M * K bytes) and xs (M * K / QBLOCK floats) are scratch.
+/* K must be a multiple of QBLOCK; xq (M * K bytes) and xs (2 * M * K / QBLOCK floats) are scratch.
  * Where tandem_w8a8_packs(N, K), w is in the packed layout and the product runs there (packed_w8a8.c). */
 void tandem_team_gemm_w8a8(const float *x, const int8_t *w, const float *scale, float *y, long M, long N, long K,
                            int8_t *xq, float *xs) {
     int packed = (int)tandem_w8a8_packs(N, K);
-    quantize_rows_i8(x, xq, xs, M, K, packed ? W8A8_PACKED_XOR : 0);
+    quantize_rows_i8(x, xq, xs, M, K, packed && W8A8_BLOCK_SUMS);
     if (packed) {
         tandem_team_gemm_w8a8_packed(xq, xs, w, scale, y, M, N, K);
         return;
@@ -318,7 +327,7 @@ void tandem_gemm_w8a8(const float *x, const int8_t *w, const float *scale, float
     /* A decode step's few rows are quicker to round here than to hand to the threads. */
     int packed = (int)tandem_w8a8_packs(N, K);
 #pragma omp parallel if (M * K >= 16384)
-    quantize_rows_i8(x, xq, xs, M, K, packed ? W8A8_PACKED_XOR : 0);
+    quantize_rows_i8(x, xq, xs, M, K, packed && W8A8_BLOCK_SUMS);
     if (packed) {
 #pragma omp parallel
         tandem_team_gemm_w8a8_packed(xq, xs, w, scale, y, M, N, K);
@@ -334,7 +343,7 @@ void tandem_gemm_w8a8_argmax(const float *x, const int8_t *w, const float *scale
                              long K, int8_t *xq, float *xs, float *scratch) {
 #pragma omp parallel
     {
-        quantize_rows_i8(x, xq, xs, M, K, W8A8_PACKED_XOR);
+        quantize_rows_i8(x, xq, xs, M, K, W8A8_BLOCK_SUMS);
         tandem_team_w8a8_packed_argmax(xq, xs, w, scale, out, M, N, K, scratch);
     }
 }

@@ -123,6 +123,7 @@ _SIGNATURES = {
     "tandem_gemm_i8": ([_PTR, _PTR, _PTR, _PTR, _SIZE, _SIZE, _SIZE], None),
     "tandem_gemm_w8a8": ([_PTR, _PTR, _PTR, _PTR, _SIZE, _SIZE, _SIZE, _PTR, _PTR], None),
     "tandem_w8a8_packs": ([_SIZE, _SIZE], _SIZE),
+    "tandem_w8a8_weight_xor": ([], _SIZE),
     "tandem_w8a8_argmax_scratch": ([_SIZE, _SIZE], _SIZE),
     "tandem_gemm_w8a8_argmax": ([_PTR, _PTR, _PTR, _PTR, _SIZE, _SIZE, _SIZE, _PTR, _PTR, _PTR], None),
     "tandem_dequant_i8": ([_PTR, _PTR, _PTR, _SIZE, _SIZE, _SIZE], None),
@@ -218,7 +219,7 @@ def _w8a8_scratch(values: int) -> int:
     """The address of this thread's scratch for ``values`` rounded inputs and their scales, kept
     between calls (grown when needed): a decode step makes ~70 w8a8 calls, and allocating two
     small tensors for each cost more than the rounding itself."""
-    need = 64 + _align64(values) + values // 8
+    need = 64 + _align64(values) + values // 4  # the bytes, then per block of 32 a scale and a correction
     buf = getattr(_thread, "w8a8", None)
     if buf is None or buf.numel() < need:
         buf = _thread.w8a8 = torch.empty(2 * need, dtype=torch.uint8)
@@ -249,6 +250,7 @@ class Kernels:
         self._cdll = lib
         self._typed_fns: dict[tuple[str, torch.dtype], Callable[..., Any]] = {}
         self._packs_by_shape: dict[tuple[int, int], bool] = {}
+        self._weight_xor: int | None = None
 
     def __deepcopy__(self, memo) -> "Kernels":
         return self  # a handle to the one loaded library: copies of a model share it
@@ -291,14 +293,28 @@ class Kernels:
         """int8 ``weight`` [N, K] in the layout this variant's w8a8 kernel reads: itself, or where
         its kernel takes it packed (``tandem_w8a8_packs``: AMX tiles or AVX-512 VNNI) a packed copy
         [N / 16, K / 32, 8, 64] (packed_w8a8.c): for weight rows 16 t + n and block b, ``[t, b, k4, 4 n + r]`` holds
-        ``weight[16 t + n, 32 b + 4 k4 + r]``."""
+        ``weight[16 t + n, 32 b + 4 k4 + r]``, each byte xor ``weight_xor`` (the VNNI kernel
+        multiplies unsigned weight bytes: the weights plus 128)."""
         n, k = weight.shape
         if not self._packs(n, k):
             return weight
-        return weight.view(n // 16, 16, k // 32, 8, 4).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 8, 64).contiguous()
+        packed = weight.view(n // 16, 16, k // 32, 8, 4).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 8, 64)
+        return self._flip(packed.contiguous())
 
-    @staticmethod
-    def w8a8_rows(weight: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    @property
+    def weight_xor(self) -> int:
+        """What every byte of a packed w8a8 weight is xor-ed with: 0x80 for the VNNI kernel, else 0."""
+        if self._weight_xor is None:
+            self._weight_xor = int(self._cdll.tandem_w8a8_weight_xor())
+        return self._weight_xor
+
+    def _flip(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (int8) with each byte xor ``weight_xor``; ``t`` itself when that is 0."""
+        if not self.weight_xor:
+            return t
+        return (t.view(torch.uint8) ^ self.weight_xor).view(torch.int8)
+
+    def w8a8_rows(self, weight: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         """The int8 rows ``ids`` (all when None) as [len, K] of a weight from ``w8a8_weight``,
         packed or not: the inverse of its packing."""
         if weight.dim() == 2:
@@ -306,8 +322,8 @@ class Kernels:
         t, b = weight.shape[:2]
         groups = weight.view(t, b, 8, 16, 4)  # [t, b, k4, n, r]: row 16 t + n, column 32 b + 4 k4 + r
         if ids is None:
-            return groups.permute(0, 3, 1, 2, 4).reshape(16 * t, 32 * b)
-        return groups[ids // 16, :, :, ids % 16].reshape(*ids.shape, 32 * b)
+            return self._flip(groups.permute(0, 3, 1, 2, 4).reshape(16 * t, 32 * b))
+        return self._flip(groups[ids // 16, :, :, ids % 16].reshape(*ids.shape, 32 * b))
 
     def _packs(self, n: int, k: int) -> bool:
         """``tandem_w8a8_packs`` for [n, k], asked once per shape (the matmuls ask on every call)."""

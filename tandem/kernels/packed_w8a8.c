@@ -29,9 +29,11 @@
  *
  *   wp[t][b][k4][4 n + r] = w[16 t + n][32 b + 4 k4 + r].
  *
- * vpdpbusd multiplies unsigned by signed bytes, so the VNNI build takes its inputs offset by 128
- * (int8_gemm.c's rounding stores them so: W8A8_PACKED_XOR in team.h) and starts each block's sums
- * at minus 128 times the block's weight sums. For AMX the OS must have granted the process the
+ * vpdpbusd multiplies unsigned by signed bytes, so the VNNI build packs the weights plus 128
+ * (tandem_w8a8_weight_xor) and starts each row's block sums at minus 128 times the sum of its
+ * rounded inputs in the block, which int8_gemm.c's rounding writes beside the scales
+ * (W8A8_BLOCK_SUMS in team.h); the inputs stay signed and are read four at a time as the
+ * broadcast operand of vpdpbusd itself. For AMX the OS must have granted the process the
  * tile state (tandem.kernels.cpu_features asks, as torch does, before the variant loads).
  */
 #include <immintrin.h>
@@ -56,6 +58,8 @@ long tandem_w8a8_argmax_scratch(long M, long threads) { return threads * M * (2 
 
 #if defined(__AMX_INT8__) || defined(__AVX512VNNI__)
 long tandem_w8a8_packs(long N, long K) { return N % GROUP == 0 && K % QBLOCK == 0; }
+
+long tandem_w8a8_weight_xor(void) { return W8A8_BLOCK_SUMS ? 0x80 : 0; }
 
 #ifdef __AMX_INT8__
 typedef struct {
@@ -105,9 +109,12 @@ static inline int tile_rows(long M, long m0, int *configured) {
                                      _mm512_set1_ps(xs[(m0 + i) * nb + (b)]), acc[i]);
 
 /* The product's rows m0 .. m0 + rows against the weight group wt, before the weights' scales:
- * acc[i] holds row m0 + i's 16 sums. The tiles must be configured for `rows`. */
-static inline __attribute__((always_inline)) void group_sums(const int8_t *xq, const float *xs, const int8_t *wt,
-                                                            long m0, int rows, long K, __m512 *acc) {
+ * acc[i] holds row m0 + i's 16 sums. The tiles must be configured for `rows`. (xc: the VNNI
+ * build's corrections, unused here.) */
+static inline __attribute__((always_inline)) void group_sums(const int8_t *xq, const float *xs, const int32_t *xc,
+                                                            const int8_t *wt, long m0, int rows, long K,
+                                                            __m512 *acc) {
+    (void)xc;
     long nb = K / QBLOCK;
     int32_t sums[2][ROWS][16] __attribute__((aligned(64)));
     const int8_t *xa = xq + m0 * K;
@@ -150,37 +157,32 @@ static inline int tile_rows(long M, long m0, int *configured) {
 
 #define RELEASE_TILES(configured) (void)(configured);
 
-/* As the AMX group_sums: acc[i] holds row m0 + i's 16 sums before the weights' scales. xq holds
- * the inputs plus 128 (W8A8_PACKED_XOR). Per block, the eight 64-byte rows of the weights stay in
- * registers for every input row; each row's sums start at minus 128 times the weights' sums. */
-static inline __attribute__((always_inline)) void group_sums(const int8_t *xq, const float *xs, const int8_t *wt,
-                                                            long m0, int rows, long K, __m512 *acc) {
+/* As the AMX group_sums: acc[i] holds row m0 + i's 16 sums before the weights' scales. The
+ * weights hold w + 128; xc[m * nb + b] is minus 128 times row m's rounded inputs' sum over block
+ * b, so each block's integer sum starts there and comes out exact. Per block the eight 64-byte
+ * rows of weights stay in registers for every input row, whose inputs each vpdpbusd broadcasts
+ * four at a time from memory; two chains of four, so a single row does not wait on one of eight. */
+static inline __attribute__((always_inline)) void group_sums(const int8_t *xq, const float *xs, const int32_t *xc,
+                                                            const int8_t *wt, long m0, int rows, long K,
+                                                            __m512 *acc) {
     long nb = K / QBLOCK;
-    const uint8_t *xa = (const uint8_t *)xq + m0 * K;
-    const __m512i offset = _mm512_set1_epi8((char)0x80);
+    const int8_t *xa = xq + m0 * K;
     for (int i = 0; i < ROWS; i++) acc[i] = _mm512_setzero_ps();
     for (long b = 0; b < nb; b++) {
         const int8_t *wb = wt + b * BLOCK_BYTES;
         if (m0 == 0) /* the first row tile streams the weights; the others find them in cache */
             for (int p = 0; p < BLOCK_BYTES; p += 64)
                 _mm_prefetch((const char *)(wb + PREFETCH_BYTES + p), _MM_HINT_T0);
-        /* two chains of four products each, so a single row does not wait on one chain of eight */
-        __m512i w[QBLOCK / 4], c0 = _mm512_setzero_si512(), c1 = _mm512_setzero_si512();
-        for (int k4 = 0; k4 < QBLOCK / 4; k4 += 2) {
-            w[k4] = _mm512_loadu_si512((const void *)(wb + 64 * k4));
-            w[k4 + 1] = _mm512_loadu_si512((const void *)(wb + 64 * (k4 + 1)));
-            c0 = _mm512_dpbusd_epi32(c0, offset, w[k4]);
-            c1 = _mm512_dpbusd_epi32(c1, offset, w[k4 + 1]);
-        }
-        const __m512i neg = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_add_epi32(c0, c1));
-        const uint8_t *xb = xa + b * QBLOCK;
+        __m512i w[QBLOCK / 4];
+        for (int k4 = 0; k4 < QBLOCK / 4; k4++) w[k4] = _mm512_loadu_si512((const void *)(wb + 64 * k4));
+        const int8_t *xb = xa + b * QBLOCK;
         for (int i = 0; i < ROWS; i++)
             if (i < rows) {
-                __m512i s0 = neg, s1 = _mm512_setzero_si512();
-                for (int k4 = 0; k4 < QBLOCK / 4; k4 += 2) { /* each four inputs broadcast from memory */
-                    const uint8_t *x4 = xb + i * K + 4 * k4;
-                    s0 = _mm512_dpbusd_epi32(s0, _mm512_broadcastd_epi32(_mm_loadu_si32(x4)), w[k4]);
-                    s1 = _mm512_dpbusd_epi32(s1, _mm512_broadcastd_epi32(_mm_loadu_si32(x4 + 4)), w[k4 + 1]);
+                __m512i s0 = _mm512_set1_epi32(xc[(m0 + i) * nb + b]), s1 = _mm512_setzero_si512();
+                for (int k4 = 0; k4 < QBLOCK / 4; k4 += 2) {
+                    const int8_t *x4 = xb + i * K + 4 * k4;
+                    s0 = _mm512_dpbusd_epi32(s0, w[k4], _mm512_broadcastd_epi32(_mm_loadu_si32(x4)));
+                    s1 = _mm512_dpbusd_epi32(s1, w[k4 + 1], _mm512_broadcastd_epi32(_mm_loadu_si32(x4 + 4)));
                 }
                 acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
                                          _mm512_set1_ps(xs[(m0 + i) * nb + b]), acc[i]);
@@ -192,6 +194,7 @@ static inline __attribute__((always_inline)) void group_sums(const int8_t *xq, c
 void tandem_team_gemm_w8a8_packed(const int8_t *xq, const float *xs, const int8_t *wp, const float *scale, float *y,
                                   long M, long N, long K) {
     long nb = K / QBLOCK, groups = N / GROUP;
+    const int32_t *xc = (const int32_t *)(xs + M * nb);
     int configured = 0;
 #pragma omp for schedule(static)
     for (long t = 0; t < groups; t++) {
@@ -199,7 +202,7 @@ void tandem_team_gemm_w8a8_packed(const int8_t *xq, const float *xs, const int8_
         for (long m0 = 0; m0 < M; m0 += ROWS) { /* every tile of input rows against this group */
             int rows = tile_rows(M, m0, &configured);
             __m512 acc[ROWS];
-            group_sums(xq, xs, wp + t * nb * BLOCK_BYTES, m0, rows, K, acc);
+            group_sums(xq, xs, xc, wp + t * nb * BLOCK_BYTES, m0, rows, K, acc);
             for (int i = 0; i < rows; i++) _mm512_storeu_ps(y + (m0 + i) * N + t * GROUP, _mm512_mul_ps(acc[i], s));
         }
     }
@@ -224,6 +227,7 @@ static inline void keep_better(float v, long i, float *bm, long *ba) {
 void tandem_team_w8a8_packed_argmax(const int8_t *xq, const float *xs, const int8_t *wp, const float *scale,
                                     int64_t *out, long M, long N, long K, float *scratch) {
     long nb = K / QBLOCK, groups = N / GROUP, threads = omp_get_num_threads(), me = omp_get_thread_num();
+    const int32_t *xc = (const int32_t *)(xs + M * nb);
     float *lane_v = scratch + me * M * 2 * GROUP;
     int32_t *lane_i = (int32_t *)(lane_v + M * GROUP);
     int64_t *row_i = (int64_t *)(scratch + threads * M * 2 * GROUP); /* then threads * M floats */
@@ -241,7 +245,7 @@ void tandem_team_w8a8_packed_argmax(const int8_t *xq, const float *xs, const int
         for (long m0 = 0; m0 < M; m0 += ROWS) {
             int rows = tile_rows(M, m0, &configured);
             __m512 acc[ROWS];
-            group_sums(xq, xs, wp + t * nb * BLOCK_BYTES, m0, rows, K, acc);
+            group_sums(xq, xs, xc, wp + t * nb * BLOCK_BYTES, m0, rows, K, acc);
             for (int i = 0; i < rows; i++) {
                 float *bv = lane_v + (m0 + i) * GROUP;
                 int32_t *bi = lane_i + (m0 + i) * GROUP;
@@ -275,6 +279,8 @@ long tandem_w8a8_packs(long N, long K) {
     (void)K;
     return 0; /* this build has neither AMX nor VNNI: the weights stay [N, K] for the AVX2 kernel */
 }
+
+long tandem_w8a8_weight_xor(void) { return 0; }
 
 /* never called where nothing packs (above) */
 void tandem_team_gemm_w8a8_packed(const int8_t *xq, const float *xs, const int8_t *wp, const float *scale, float *y,

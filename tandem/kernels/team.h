@@ -25,12 +25,16 @@ void tandem_team_gemm_w8a8(const float *x, const int8_t *w, const float *scale, 
                            int8_t *xq, float *xs);
 /* packed_w8a8.c: 1 where this build multiplies an [N, K] w8a8 weight packed in groups of 16 rows
  * (AMX tiles or AVX-512 VNNI; the w8a8 entry points then take it so), else 0; the product on
- * already rounded inputs xq / xs, whose bytes hold the rounded values xor W8A8_PACKED_XOR. */
+ * already rounded inputs xq / xs. The VNNI build takes its packed weights plus 128 (each byte
+ * xor tandem_w8a8_weight_xor()) and, after the M * K / 32 scales xs, one int32 per row and block:
+ * minus 128 times the block's rounded inputs' sum (W8A8_BLOCK_SUMS: int8_gemm.c's rounding writes
+ * them). */
 long tandem_w8a8_packs(long N, long K);
-#if defined(__AMX_INT8__) || !defined(__AVX512VNNI__)
-#define W8A8_PACKED_XOR 0x00 /* tdpbssd multiplies signed bytes by signed bytes */
+long tandem_w8a8_weight_xor(void);
+#if defined(__AVX512VNNI__) && !defined(__AMX_INT8__)
+#define W8A8_BLOCK_SUMS 1 /* vpdpbusd multiplies unsigned by signed bytes: the weights carry the offset */
 #else
-#define W8A8_PACKED_XOR 0x80 /* vpdpbusd takes its first operand unsigned: the inputs plus 128 */
+#define W8A8_BLOCK_SUMS 0 /* tdpbssd multiplies signed bytes by signed bytes */
 #endif
 void tandem_team_gemm_w8a8_packed(const int8_t *xq, const float *xs, const int8_t *wp, const float *scale, float *y,
                                   long M, long N, long K);
