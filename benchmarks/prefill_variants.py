@@ -12,7 +12,10 @@ on this machine are left out, with the reason printed):
 * ``bf16 attention``: w8a8's bf16-road prompts attend in bf16 (``w8a8_prompt_attention_bf16``;
   chosen only with AMX);
 * ``one-call bf16 road``: the bf16 road's matmuls in one plain ``F.linear`` call per chunk instead
-  of ``BF16_TILE_ROWS``-row calls with packed weights.
+  of ``BF16_TILE_ROWS``-row calls with packed weights;
+* ``integer prompt rows``: w8a8's prompt rows through the integer kernel, where the default sends
+  them down the bf16 road (``w8a8_prompt_matmul`` in ``/config``);
+* ``bf16 road``: the reverse, where the default keeps them integer on a CPU with bf16 arithmetic.
 
 Each case (one fresh prompt of L tokens; the budget ``--budget`` cuts longer ones into chunks) is
 prefilled once per variant untimed, then ``--rounds`` times per variant with fresh prompt texts (no
@@ -31,8 +34,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dataclasses import replace
+
 from tandem import LLM, SamplingParams
-from tandem.kernels.cpu_features import cpu_model
+from tandem.kernels.cpu_features import cpu_info, cpu_model
+from tandem.ops.dispatch import BF16_TILE_ROWS, W8A8_PROMPT_BF16_TOKENS
 from tandem.models.layers import Attention
 from tandem.models.quant import Int8Linear
 
@@ -56,8 +62,11 @@ def prompt(length: int, seed: int) -> list[int]:
 class Toggles:
     """Sets the model to a variant and back."""
 
-    def __init__(self, model) -> None:
-        self.model = model
+    def __init__(self, runner) -> None:
+        model = self.model = runner.model
+        self.runner = runner
+        self.default_ops = model.ops
+        self.w8a8 = any(isinstance(m, Int8Linear) and m.w8a8 for m in model.modules())
         self.attention = [m for m in model.modules() if isinstance(m, Attention)]
         self.road = [m for m in model.modules() if isinstance(m, Int8Linear) and m.w8a8 and m._bf16_weight]
         self.tiled = {id(m): m._bf16_weight for m in self.road}
@@ -69,15 +78,24 @@ class Toggles:
         """name: why it is left out ('' when it runs)."""
         bf16_road = self.model.ops.w8a8_prompt_bf16_tokens is not None and self.road
         why_road = "" if bf16_road else "w8a8's bf16 road is off here"
+        why_integer = "the model is not w8a8" if not self.w8a8 else ("" if bf16_road else "the default here")
+        why_bf16 = ("the model is not w8a8" if not self.w8a8 else "the default here" if bf16_road
+                    else "" if cpu_info().bf16_arithmetic else "this CPU has no bf16 arithmetic")
         return {
             "default": "",
             "sdpa attention": "" if self.default_matmul else "the default is SDPA here",
             "matmul attention": "the default is the matmul form here" if self.default_matmul else "",
             "bf16 attention": why_road or ("the default here" if self.default_bf16 else ""),
             "one-call bf16 road": why_road,
+            "integer prompt rows": why_integer,
+            "bf16 road": why_bf16,
         }
 
     def use(self, variant: str) -> None:
+        tokens = {"integer prompt rows": None, "bf16 road": W8A8_PROMPT_BF16_TOKENS}.get(
+            variant, self.default_ops.w8a8_prompt_bf16_tokens)
+        self.model.ops = replace(self.default_ops, w8a8_prompt_bf16_tokens=tokens)
+        self.runner.prompt_tile = BF16_TILE_ROWS if tokens is not None else 1
         matmul = {"sdpa attention": False, "matmul attention": True}.get(variant, self.default_matmul)
         for m in self.attention:
             m._matmul_prompts = matmul
@@ -98,7 +116,7 @@ def main() -> None:
               enable_prefix_caching=False)
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     llm.generate([prompt(300, 999)], params)  # makes the bf16 road's tiled weights, if it runs
-    toggles = Toggles(llm.engine.runner.model)
+    toggles = Toggles(llm.engine.runner)
     left_out = {v: why for v, why in toggles.variants().items() if why}
     variants = [v for v, why in toggles.variants().items() if not why]
     for v, why in left_out.items():
