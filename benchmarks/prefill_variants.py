@@ -29,12 +29,11 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-from dataclasses import replace
 
 from tandem import LLM, SamplingParams
 from tandem.kernels.cpu_features import cpu_info, cpu_model

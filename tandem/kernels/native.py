@@ -315,10 +315,9 @@ class Kernels:
         return (t.view(torch.uint8) ^ self.weight_xor).view(torch.int8)
 
     def w8a8_rows(self, weight: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The int8 rows ``ids`` (all when None) as [len, K] of a weight from ``w8a8_weight``,
-        packed or not: the inverse of its packing."""
-        if weight.dim() == 2:
-            return weight if ids is None else weight[ids]
+        """The int8 rows ``ids`` (all when None) as [len, K] of a weight ``w8a8_weight`` packed
+        ([N / 16, K / 32, 8, 64]): the inverse of its packing. (``Int8Linear.weight_rows`` reads
+        an unpacked [N, K] weight itself.)"""
         t, b = weight.shape[:2]
         groups = weight.view(t, b, 8, 16, 4)  # [t, b, k4, n, r]: row 16 t + n, column 32 b + 4 k4 + r
         if ids is None:

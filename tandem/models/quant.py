@@ -217,9 +217,9 @@ class Int8Linear(QuantLinear):
     def weight_rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:
         """The int8 weight rows ``ids`` (all rows when None) as [len, K], whatever the layout."""
         q = self._buffers["qweight"]
-        if q.dim() == 2:
-            return q if ids is None else q[ids]
-        return self.kernels.w8a8_rows(q, ids)
+        if self.packed:
+            return self.kernels.w8a8_rows(q, ids)
+        return q if ids is None else q[ids]
 
     def _bf16_rows(self, x: torch.Tensor) -> torch.Tensor:
         """``bf16(x) @ q.T`` by oneDNN, ``q`` the int8 weights held exactly as bf16 integers
