@@ -96,11 +96,12 @@ class SchedulerConfig:
         ),
     )
     itl_target_factor: float = field(
-        default=0.0,
+        default=3.5,
         metadata=_help(
             "chunked, when no --target-itl-ms applies: while streams decode, the ITL target is this many "
-            "times the predicted time of a step of the running decodes alone (at least --min-target-itl-ms), "
-            "so the target scales with the machine and the batch; 0 turns it off"
+            "times the predicted decode step of a full batch (--max-num-seqs streams at the running ones' mean "
+            "context; at least --min-target-itl-ms), so streams stay smooth by default and the target scales "
+            "with the machine; 0 turns it off (a fixed --max-num-batched-tokens budget)"
         ),
     )
     itl_margin_share: float = field(
@@ -113,13 +114,13 @@ class SchedulerConfig:
         ),
     )
     itl_overrun_share: float = field(
-        default=0.0,
+        default=0.009,
         metadata=_help(
             "chunked, with an ITL target: the share of recent inter-token gaps (the last 4096) that may run "
             "over the target. While those that did stay below that share, a step with prompts to compute takes the "
             "whole --max-num-batched-tokens instead of the target's share: a p99 target leaves one gap in 100, "
-            "so 0.005 spends half of that on finishing prompts sooner; steps that ran over by misprediction "
-            "count too; 0 keeps every step within the target"
+            "so 0.009 (the default) spends most of that on finishing prompts sooner; steps that ran over by "
+            "misprediction count too; 0 keeps every step within the target"
         ),
     )
     min_target_itl_ms: float = field(

@@ -11,7 +11,7 @@ import pytest
 from tandem.config import SchedulerConfig
 from tandem.core.budget import Planned
 from tandem.core.request import Request, SamplingParams
-from tandem.core.step_time import StepCost, StepTimeModel
+from tandem.core.step_time import StepCost, StepTimeModel, features
 from tandem.core.target_budget import MARGIN_MIN_STEPS, NoiseMargin, OverrunLedger, PrefillShare, itl_target
 from tandem.sim import StepCost as SimStepCost
 from tandem.sim import sim_engine
@@ -19,6 +19,8 @@ from tandem.sim import sim_engine
 COST = StepCost(base=0.010, per_token=0.0004, per_seq=0.0002, per_context=1e-6, per_pair=2e-9)
 BLOCK = 16
 T_MS = 40.0
+STRICT = {"itl_overrun_share": 0.0}  # no step may run over the target (the default allows 0.9%)
+FIXED = {"itl_target_factor": 0.0}  # a fixed budget: no target at all (the default sets one)
 
 
 def run_mixed(config: SchedulerConfig, seed: int = 0, cost=COST):
@@ -77,7 +79,7 @@ def test_sim_cost_is_the_models():
 
 
 def test_no_step_predicted_over_the_target_while_decodes_run():
-    config = SchedulerConfig(max_num_batched_tokens=2048, target_itl_ms=T_MS)
+    config = SchedulerConfig(max_num_batched_tokens=2048, target_itl_ms=T_MS, **STRICT)
     _, steps = collect(config)
     checked = 0
     for s in steps:
@@ -90,8 +92,8 @@ def test_no_step_predicted_over_the_target_while_decodes_run():
 
 
 def test_itl_p99_meets_the_target_where_a_fixed_budget_breaks_it():
-    fixed = all_itls(collect(SchedulerConfig(max_num_batched_tokens=2048))[1])
-    targeted = all_itls(collect(SchedulerConfig(max_num_batched_tokens=2048, target_itl_ms=T_MS))[1])
+    fixed = all_itls(collect(SchedulerConfig(max_num_batched_tokens=2048, **FIXED))[1])
+    targeted = all_itls(collect(SchedulerConfig(max_num_batched_tokens=2048, target_itl_ms=T_MS, **STRICT))[1])
     assert p99(fixed) > 2 * T_MS / 1e3
     assert p99(targeted) <= T_MS / 1e3 * 1.02
 
@@ -116,7 +118,7 @@ def test_overrun_ledger_worked_example():
 
 
 def test_overrun_share_finishes_prompts_sooner_within_its_allowance():
-    base = SchedulerConfig(max_num_batched_tokens=2048, target_itl_ms=T_MS)
+    base = SchedulerConfig(max_num_batched_tokens=2048, target_itl_ms=T_MS, **STRICT)
     strict = collect(base)
     spent = collect(dataclasses.replace(base, itl_overrun_share=0.005))
     gaps = all_itls(spent[1])
@@ -178,7 +180,7 @@ class NoisyCost:
 
 
 def test_noise_margin_keeps_measured_gaps_within_the_target_on_a_noisy_machine():
-    base = SchedulerConfig(max_num_batched_tokens=2048, target_itl_ms=T_MS)
+    base = SchedulerConfig(max_num_batched_tokens=2048, target_itl_ms=T_MS, **STRICT)
     runs = {}
     for share in (0.0, 0.005):
         engine = run_mixed(dataclasses.replace(base, itl_margin_share=share), cost=NoisyCost())
@@ -236,27 +238,44 @@ def test_itl_share_worked_example():
     assert share.size(other, 512) == 0
 
 
-def test_factor_target_is_a_multiple_of_the_decodes_alone():
-    # no explicit target: 2x the 12.8 ms the 4 decodes take alone = 25.6 ms, leaving 12.8 ms of
-    # prefill: 0.2 + 0.401 n + 0.000002 n(n+1)/2 <= 12.8 ms -> n = 31
+def _decodes(n: int, context: int = 100) -> list[Planned]:
     planned = []
-    for i in range(4):
-        r = Request(f"d{i}", list(range(1, 101)), SamplingParams(), 0.0, 10_000)
-        r.num_computed_tokens = 100
-        planned.append(Planned(r, 100, 1))
-    factor = SchedulerConfig(itl_target_factor=2.0, min_target_itl_ms=5.0)
+    for i in range(n):
+        r = Request(f"d{i}", list(range(1, context + 1)), SamplingParams(), 0.0, 10_000)
+        r.num_computed_tokens = context
+        planned.append(Planned(r, context, 1))
+    return planned
+
+
+def test_factor_target_is_a_multiple_of_a_full_batch_of_decodes():
+    # no explicit target: 2x the 12.8 ms that a full batch (max_num_seqs = 4) of decodes takes =
+    # 25.6 ms, leaving 12.8 ms of prefill: 0.2 + 0.401 n + 0.000002 n(n+1)/2 <= 12.8 ms -> n = 31
+    planned = _decodes(4)
+    factor = SchedulerConfig(itl_target_factor=2.0, min_target_itl_ms=5.0, max_num_seqs=4)
     share = PrefillShare(StepTimeModel(COST), planned, factor, BLOCK, 0.0)
     assert share.target == pytest.approx(2 * 0.0128, rel=1e-3)
     prompt = Request("p", list(range(1, 1001)), SamplingParams(), 0.0, 10_000)
     assert share.size(prompt, 512) == 31
+    # one stream running: the same target (a full batch's), not 2x its own 10.7 ms step
+    alone = PrefillShare(StepTimeModel(COST), _decodes(1), factor, BLOCK, 0.0)
+    assert alone.target == pytest.approx(share.target)
+    # more streams than max_num_seqs (never planned, but the batch is what runs): counted as they are
+    assert PrefillShare(StepTimeModel(COST), _decodes(8), factor, BLOCK, 0.0).target > share.target
+    # the mean context of the running streams sets the full batch's context
+    longer = PrefillShare(StepTimeModel(COST), _decodes(2, 1000), factor, BLOCK, 0.0)
+    assert longer.target == pytest.approx(2 * StepTimeModel(COST).predict(features([(1000, 1)] * 4)))
     # the floor: a target never tighter than min_target_itl_ms
-    floored = PrefillShare(StepTimeModel(COST), planned, SchedulerConfig(itl_target_factor=1.0), BLOCK, 0.0)
+    floored = PrefillShare(StepTimeModel(COST), planned, SchedulerConfig(itl_target_factor=1.0, max_num_seqs=4),
+                           BLOCK, 0.0)
     assert floored.target == pytest.approx(0.020)
     # an explicit target wins over the factor; with neither, nothing limits the share
     explicit = PrefillShare(StepTimeModel(COST), planned,
                             SchedulerConfig(itl_target_factor=2.0, target_itl_ms=15.0), BLOCK, 0.0)
     assert explicit.target == pytest.approx(0.015)
-    assert not PrefillShare(StepTimeModel(COST), planned, SchedulerConfig(), BLOCK, 0.0).limited
+    assert not PrefillShare(StepTimeModel(COST), planned, SchedulerConfig(**FIXED), BLOCK, 0.0).limited
+    # the default sets a target: a factor of a full batch of decodes
+    default = SchedulerConfig()
+    assert default.itl_target_factor > 1 and PrefillShare(StepTimeModel(COST), planned, default, BLOCK, 0.0).limited
 
 
 def test_one_block_minimum_when_decodes_alone_exceed_the_target():
@@ -287,8 +306,8 @@ def test_ttft_target_takes_a_larger_share_only_when_it_can_make_it():
 
 
 def test_ttft_target_improves_long_prompts_in_the_sim():
-    base = SchedulerConfig(max_num_batched_tokens=2048, target_itl_ms=T_MS)
-    both = SchedulerConfig(max_num_batched_tokens=2048, target_itl_ms=T_MS, target_ttft_ms=1500.0)
+    base = SchedulerConfig(max_num_batched_tokens=2048, target_itl_ms=T_MS, **STRICT)
+    both = SchedulerConfig(max_num_batched_tokens=2048, target_itl_ms=T_MS, target_ttft_ms=1500.0, **STRICT)
     plain_steps = collect(base)[1]
     ttft_steps = collect(both)[1]
     # TTFT-boosted steps may go over T; the prefill total per unit time rises

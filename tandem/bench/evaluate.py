@@ -42,9 +42,13 @@ def describe(o: dict[str, Any]) -> str:
     text = o.get("policy", "chunked")
     if o.get("target_itl_ms"):
         text += f" itl<={o['target_itl_ms']:g}ms"
+    elif text == "chunked" and o.get("itl_target_factor"):
+        text += f" itl<={o['itl_target_factor']:g}x"
     if "max_num_batched_tokens" in o:
         text += f" chunk={o['max_num_batched_tokens']}" if text.startswith("chunked") else \
             f" budget={o['max_num_batched_tokens']}"
+    if text.startswith("chunked") and not o.get("target_itl_ms") and o.get("itl_target_factor", 1) == 0:
+        text += " fixed"  # no ITL target sizes its prefill
     if "max_num_seqs" in o:
         text += f" seqs={o['max_num_seqs']}"
     if o.get("long_prefill_token_threshold"):
@@ -52,7 +56,8 @@ def describe(o: dict[str, Any]) -> str:
     if o.get("target_ttft_ms"):
         text += f" ttft<={o['target_ttft_ms']:g}ms"
     for key, value in o.items():
-        if key not in _SHOWN and key not in ("target_itl_ms", "target_ttft_ms") and value not in (None, ""):
+        if key not in _SHOWN and key not in ("target_itl_ms", "target_ttft_ms", "itl_target_factor") \
+                and value not in (None, ""):
             text += f" {value}" if key == "fairness" else f" {key}={value}"
     return text
 

@@ -35,16 +35,19 @@ class Scenario:
 
 
 # prefill-first gets a large budget (vLLM without chunking uses at least 2048 tokens per step)
+# A chunked budget is fixed (``itl_target_factor=0``: no default ITL target sizing its prefill).
+FIXED = "itl_target_factor=0"
 DEFAULT_CONFIGS = (
     "policy=static",
     "policy=prefill-first,max_num_batched_tokens=2048",
-    "policy=chunked,max_num_batched_tokens=128",
-    "policy=chunked,max_num_batched_tokens=512",
+    f"policy=chunked,max_num_batched_tokens=128,{FIXED}",
+    f"policy=chunked,max_num_batched_tokens=512,{FIXED}",
 )
 # The long-prefill cap: a long prompt takes at most half the 512-token budget per step and one
 # long prompt prefills at a time, so a short prompt arriving behind a document is not queued
 # behind all of it.
-LONG_CAP = "capped:policy=chunked,max_num_batched_tokens=512,long_prefill_token_threshold=256,max_long_partial_prefills=1"
+LONG_CAP = ("capped:policy=chunked,max_num_batched_tokens=512,long_prefill_token_threshold=256,"
+            f"max_long_partial_prefills=1,{FIXED}")
 # Two targets: 150 ms ("keep streams under 150 ms per token") and 50 ms (20 tokens/s, a stream
 # read as it comes). The target policy may use the whole 2048-token budget when nothing decodes,
 # and sizes prefill to its target while streams run; the fixed budgets around it show which of
@@ -54,7 +57,7 @@ LONG_CAP = "capped:policy=chunked,max_num_batched_tokens=512,long_prefill_token_
 ITL_TARGETS_MS = (50, 150)
 ITL_TARGET_CONFIGS = (
     *(f"target-{t}:policy=chunked,max_num_batched_tokens=2048,target_itl_ms={t}" for t in ITL_TARGETS_MS),
-    *(f"policy=chunked,max_num_batched_tokens={b}" for b in (32, 64, 128, 256, 512)),
+    *(f"policy=chunked,max_num_batched_tokens={b},{FIXED}" for b in (32, 64, 128, 256, 512)),
 )
 _TARGETS = " and ".join(map(str, ITL_TARGETS_MS))
 

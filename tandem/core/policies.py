@@ -37,6 +37,7 @@ class PolicySettings(Protocol):
     itl_overrun_share: float
     itl_margin_share: float
     min_target_itl_ms: float
+    max_num_seqs: int
 
 
 class Policy(Protocol):
@@ -161,17 +162,20 @@ class ChunkedPolicy:
                                 share.predicted())
 
     def _settle(self, now: float) -> None:
-        """Record the last step under a target: in the noise margin with its cycle, if its streams
-        are still running (after an idle spell the cycle is no gap anybody saw); in the overrun
-        ledger with its measured time, once the engine has measured it."""
+        """Record the last step under a target: in the noise margin with its cycle (its start to
+        now, the gap its streams saw) if its streams are still running (after an idle spell the
+        cycle is no gap anybody saw); in the overrun ledger, once the engine has measured it, with
+        that cycle, or with its measured time where its streams have ended."""
         last, self._last = self._last, None
         if last is None:
             return
-        if self.margin.slack and any(r.status is RequestStatus.RUNNING for r in last.decodes):
+        streaming = any(r.status is RequestStatus.RUNNING for r in last.decodes)
+        if self.margin.slack and streaming:
             self.margin.record(len(last.decodes), last.mixed, last.predicted, now - last.start)
         measured = self.step_model.last
         if self.ledger.share and measured is not None and measured is not last.observed:
-            self.ledger.record(len(last.decodes), measured.seconds, last.target)
+            # the gap the streams saw (the cycle) where they still run; else the step's own time
+            self.ledger.record(len(last.decodes), now - last.start if streaming else measured.seconds, last.target)
 
     def _spend_overrun(self, queues: RequestQueues, share: PrefillShare) -> None:
         """Let this step take the whole token budget if the overrun allowance has room and prompts are

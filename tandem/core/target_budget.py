@@ -4,7 +4,8 @@ The rule, for one step, after the running decodes are planned:
 
 * **ITL.** While any decode runs, the step's target T is the tightest ``target_itl_ms`` among
   the decoding requests (a request's own, else the engine's; with neither, ``itl_target_factor``
-  times the predicted step of the decodes alone, at least ``min_target_itl_ms``). Prefill chunks are granted, in
+  times the predicted decode step of a full batch, ``max_num_seqs`` streams at the running ones'
+  mean context, at least ``min_target_itl_ms``). Prefill chunks are granted, in
   rank order, the most tokens that keep the step-time model's prediction of the whole step
   within T. Whatever the prediction says, the step gets one KV block (``block_size`` tokens) of
   prefill, so prompts never starve; where the runner multiplies a long prompt's chunk in whole
@@ -44,7 +45,7 @@ from typing import Protocol, Sequence
 from tandem.core.budget import Planned
 from tandem.core.request import Request
 from tandem.core.sampling_params import SamplingParams
-from tandem.core.step_time import StepTimeModel, add, chunk_features, features
+from tandem.core.step_time import Features, StepTimeModel, add, chunk_features, features
 
 
 class TargetSettings(Protocol):
@@ -56,6 +57,7 @@ class TargetSettings(Protocol):
     itl_overrun_share: float
     itl_margin_share: float
     min_target_itl_ms: float
+    max_num_seqs: int
 
 
 class TargetLimits(Protocol):
@@ -79,6 +81,14 @@ def itl_target(decodes: Sequence[Request], default_ms: float | None) -> float | 
     """Seconds: the tightest ITL target among the decoding requests (None: no target)."""
     targets = [t for t in (_seconds(r.params.target_itl_ms) or _seconds(default_ms) for r in decodes) if t]
     return min(targets, default=None)
+
+
+def full_batch(planned: Sequence[Planned], max_num_seqs: int) -> Features:
+    """The features of a decode step of ``max_num_seqs`` streams (at least the planned ones) at the
+    planned decodes' mean context."""
+    n = max(len(planned), max_num_seqs)
+    start = round(sum(p.start for p in planned) / len(planned))
+    return features([(start, 1)] * n)
 
 
 OVERRUN_WINDOW = 4096
@@ -197,9 +207,10 @@ class PrefillShare:
         self.x = self.decode_x  # the step as planned so far
         self.target = itl_target([p.request for p in planned], settings.target_itl_ms) if planned else None
         if self.target is None and planned and settings.itl_target_factor:
-            # no explicit target: a multiple of what the decodes alone take, so it scales with the
-            # CPU and the batch instead of being one number for every machine
-            self.target = max(settings.itl_target_factor * model.predict(self.decode_x),
+            # no explicit target: a multiple of what a full batch of decodes takes, so it scales with
+            # the CPU instead of being one number for every machine, and does not tighten while only
+            # a few streams run (when a long step delays few gaps and prompts are waiting)
+            self.target = max(settings.itl_target_factor * model.predict(full_batch(planned, settings.max_num_seqs)),
                               settings.min_target_itl_ms / 1000.0)
         self.min_tokens = min_tokens
         """Prompt tokens a step carries whatever the prediction says: one KV block, or the
