@@ -24,7 +24,8 @@ class SimEvaluator:
     tokenizer = SimTokenizer()
 
     def engine(self, overrides):
-        return sim_engine(SchedulerConfig(**overrides), COST, num_kv_blocks=8192)
+        # fixed budgets, whose answer is known: the default ITL target would size every step instead
+        return sim_engine(SchedulerConfig(**{"itl_target_factor": 0.0, **overrides}), COST, num_kv_blocks=8192)
 
 
 def _workload():
@@ -141,3 +142,12 @@ def test_tune_on_tiny_model(tiny_evaluator, tmp_path):
     data = json.loads((tmp_path / "tune" / "tune.json").read_text())
     assert data["meets_slos"] and data["command"].startswith("tandem serve --model ")
     assert "--policy chunked" in data["command"] and data["pareto_front"]
+
+
+def test_serve_command_shows_a_zero_that_turns_a_default_off():
+    from tandem.bench.tune import serve_command
+
+    command = serve_command("tandem serve", {"policy": "chunked", "max_num_batched_tokens": 256,
+                                             "long_prefill_token_threshold": 0, "itl_target_factor": 0.0,
+                                             "target_itl_ms": None})
+    assert command == "tandem serve --policy chunked --max-num-batched-tokens 256 --itl-target-factor 0"

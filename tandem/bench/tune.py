@@ -13,16 +13,19 @@ nearest miss (smallest worst ratio of measured to allowed latency) is reported a
 Given an ITL SLO, the search also tries ITL targets instead of a budget (``target_itl_ms`` at
 fractions of the SLO, with the largest chunk size as the step budget when nothing decodes, at the
 best batch limit the budget search found): the target policy and the best fixed budget are judged
-by the same rule, and the report says which of the two the recommendation is.
+by the same rule, and the report says which of the two the recommendation is. Trials run with the
+engine's defaults for every knob not searched, as the printed command would, the default ITL
+target (``itl_target_factor``) included; ``--fixed itl_target_factor=0`` searches pure fixed budgets.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Sequence
 
 from tandem.bench.repeats import median_summary
+from tandem.config import SchedulerConfig
 
 DEFAULT_CHUNKS = (32, 64, 128, 256, 512, 1024, 2048)
 DEFAULT_SEQS = (4, 8, 16, 32, 64)
@@ -247,12 +250,23 @@ _COMMAND_ORDER = ("max_num_batched_tokens", "max_num_seqs", "target_itl_ms", "ta
                   "long_prefill_token_threshold", "max_long_partial_prefills")
 
 
+_DEFAULTS = {f.name: f.default for f in fields(SchedulerConfig)}
+
+
+def _shown(key: str, value: Any) -> bool:
+    """Unset values are left out; a zero only where it is the default (``--itl-target-factor 0``
+    turns the default ITL target off: it must be in the command)."""
+    if value is None or value == "" or value is False:
+        return False
+    return value != 0 or _DEFAULTS.get(key, 0) != 0
+
+
 def serve_command(base: str, overrides: dict[str, Any]) -> str:
     parts = [base]
     keys = ["policy", *_COMMAND_ORDER, *sorted(set(overrides) - set(_COMMAND_ORDER) - {"policy"})]
     for key in keys:
         value = overrides.get(key)
-        if value not in (None, "", 0, False):
+        if _shown(key, value):
             parts.append(f"--{key.replace('_', '-')} {value:g}" if isinstance(value, float)
                          else f"--{key.replace('_', '-')} {value}")
     return " ".join(parts)
