@@ -42,6 +42,7 @@ DEFAULT_CONFIGS = (
     "policy=prefill-first,max_num_batched_tokens=2048",
     f"policy=chunked,max_num_batched_tokens=128,{FIXED}",
     f"policy=chunked,max_num_batched_tokens=512,{FIXED}",
+    "default:policy=chunked",  # what `tandem serve` runs with no flags: 512 and the default ITL target
 )
 # The long-prefill cap: a long prompt takes at most half the 512-token budget per step and one
 # long prompt prefills at a time, so a short prompt arriving behind a document is not queued
