@@ -170,12 +170,13 @@ class ChunkedPolicy:
         if last is None:
             return
         streaming = any(r.status is RequestStatus.RUNNING for r in last.decodes)
+        cycle = now - last.start
         if self.margin.slack and streaming:
-            self.margin.record(len(last.decodes), last.mixed, last.predicted, now - last.start)
+            self.margin.record(len(last.decodes), last.mixed, last.predicted, cycle)
         measured = self.step_model.last
         if self.ledger.share and measured is not None and measured is not last.observed:
             # the gap the streams saw (the cycle) where they still run; else the step's own time
-            self.ledger.record(len(last.decodes), now - last.start if streaming else measured.seconds, last.target)
+            self.ledger.record(len(last.decodes), cycle if streaming else measured.seconds, last.target)
 
     def _spend_overrun(self, queues: RequestQueues, share: PrefillShare) -> None:
         """Let this step take the whole token budget if the overrun allowance has room and prompts are
