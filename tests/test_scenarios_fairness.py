@@ -126,7 +126,8 @@ def test_itl_target_is_two_loads_with_two_targets_and_fixed_budgets():
         scenario_requests("itl-target", None, SimTokenizer(), 0)
     parsed = [Candidate.parse(c).overrides for c in sc.configs]
     assert sorted(o["target_itl_ms"] for o in parsed if o.get("target_itl_ms")) == [50, 150]
-    assert len({o["max_num_batched_tokens"] for o in parsed if not o.get("target_itl_ms")}) >= 3
+    assert len({o["max_num_batched_tokens"] for o in parsed if o.get("itl_target_factor") == 0}) >= 3
+    assert {"policy": "chunked"} in parsed  # the no-flag default beside them
 
 
 def test_every_scenario_configuration_parses_against_the_real_config():
@@ -163,10 +164,15 @@ def _ev(name: str, overrides: dict, itl: float, ttft: float) -> Evaluation:
 
 def test_frontier_verdict_compares_the_target_with_budgets_that_meet_it(tmp_path):
     evs = [_ev("target", {"max_num_batched_tokens": 2048, "target_itl_ms": 150.0}, 140, 900),
-           _ev("b64", {"max_num_batched_tokens": 64}, 80, 4000),
-           _ev("b128", {"max_num_batched_tokens": 128}, 145, 1500),
-           _ev("b512", {"max_num_batched_tokens": 512}, 480, 700)]
+           _ev("b64", {"max_num_batched_tokens": 64, "itl_target_factor": 0}, 80, 4000),
+           _ev("b128", {"max_num_batched_tokens": 128, "itl_target_factor": 0}, 145, 1500),
+           _ev("b512", {"max_num_batched_tokens": 512, "itl_target_factor": 0}, 480, 700),
+           # the default target steers its prefill too: not a fixed budget the target is judged against
+           _ev("default", {"policy": "chunked"}, 120, 800)]
     assert frontier.wanted(evs) and frontier.targets(evs) == [150.0]
+    assert [frontier.fixed(e) for e in evs] == [False, True, True, True, False]
+    assert frontier.default_target(evs[4]) and not frontier.default_target(evs[0])
+    assert frontier.fixed(_ev("pf", {"policy": "prefill-first"}, 1, 1))
     (line,) = frontier.verdict(evs)
     assert "ITL p99 140 ms (meets the target)" in line and "2 fixed budget(s) meet it" in line
     assert "1,500 ms (b128)" in line and "lower than every one" in line
@@ -174,7 +180,7 @@ def test_frontier_verdict_compares_the_target_with_budgets_that_meet_it(tmp_path
     assert "misses the target" in frontier.verdict(evs)[0] and "not lower than all" in frontier.verdict(evs)[0]
     frontier.plot_frontier(evs, tmp_path / frontier.PLOT)
     assert (tmp_path / frontier.PLOT).stat().st_size > 0
-    assert not frontier.wanted([evs[1], _ev("again", {"max_num_batched_tokens": 64}, 80, 4000)])
+    assert not frontier.wanted([evs[1], _ev("again", {"max_num_batched_tokens": 64, "itl_target_factor": 0}, 80, 4000)])
 
 
 def test_compare_writes_the_frontier_and_the_per_class_table(tmp_path):

@@ -1,8 +1,10 @@
 """The latency frontier of a comparison: ITL p99 against TTFT p99, one point per configuration,
 with each ITL target as a vertical line — where an ITL target policy and fixed step budgets can be
 judged on one picture (a configuration *meets* a target when its ITL p99 is left of the line; of
-those, lower is better). Drawn when the configurations differ in ``target_itl_ms`` or in
-``max_num_batched_tokens``."""
+those, lower is better). A chunked configuration without ``target_itl_ms`` whose
+``itl_target_factor`` is not 0 (the engine's default) is steered by the default target: it is
+drawn apart (a diamond) and is not one of the fixed budgets a target is judged against. Drawn
+when the configurations differ in ``target_itl_ms`` or in ``max_num_batched_tokens``."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import math
 from pathlib import Path
 
 from tandem.bench.evaluate import Evaluation
+from tandem.config import SchedulerConfig
 
 PLOT = "itl_ttft_frontier.png"
 _KEYS = ("target_itl_ms", "max_num_batched_tokens")
@@ -22,6 +25,22 @@ def wanted(evaluations: list[Evaluation]) -> bool:
 
 def targets(evaluations: list[Evaluation]) -> list[float]:
     return sorted({float(t) for e in evaluations if (t := e.candidate.overrides.get("target_itl_ms"))})
+
+
+_DEFAULT = SchedulerConfig()
+
+
+def default_target(e: Evaluation) -> bool:
+    """Chunked with no ITL target of its own and the default target on (``itl_target_factor`` not 0,
+    the engine's default unless the configuration sets it)."""
+    o = e.candidate.overrides
+    return (not o.get("target_itl_ms") and o.get("policy", _DEFAULT.policy) == "chunked"
+            and o.get("itl_target_factor", _DEFAULT.itl_target_factor) != 0)
+
+
+def fixed(e: Evaluation) -> bool:
+    """A fixed budget: no ITL target, explicit or default, sizes its prefill."""
+    return not e.candidate.overrides.get("target_itl_ms") and not default_target(e)
 
 
 def _point(e: Evaluation) -> tuple[float, float]:
@@ -48,7 +67,8 @@ def plot_frontier(evaluations: list[Evaluation], path: Path) -> None:
         x, y = _point(e)
         target = e.candidate.overrides.get("target_itl_ms")
         meets = any(x <= t for t in lines) if target is None else x <= target
-        ax.scatter([x], [y], marker="*" if target else "o", s=160 if target else 50, zorder=3,
+        marker, size = ("*", 160) if target else ("D", 70) if default_target(e) else ("o", 50)
+        ax.scatter([x], [y], marker=marker, s=size, zorder=3,
                    color="tab:green" if meets or not lines else "tab:red")
         ax.annotate(e.candidate.name, (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
     for t in lines:
@@ -62,8 +82,8 @@ def plot_frontier(evaluations: list[Evaluation], path: Path) -> None:
     for axis in (ax.xaxis, ax.yaxis):
         axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
         axis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
-    ax.set_title("ITL p99 vs TTFT p99 (lower left is better; stars: ITL target policy; "
-                 "green: within a target)", fontsize=9)
+    ax.set_title("ITL p99 vs TTFT p99 (lower left is better; stars: ITL target policy; diamonds: the "
+                 "default target; green: within a target)", fontsize=9)
     ax.grid(alpha=0.3, which="both")
     save_figure(fig, path)
 
@@ -72,11 +92,11 @@ def _judge(points: list[tuple[Evaluation, float, float]]) -> list[tuple[Evaluati
     """``points``: (configuration, ITL p99, TTFT p99). Per ITL target and configuration that has it:
     (configuration, target, ITL p99, TTFT p99, the fixed-budget points that meet the target)."""
     out = []
-    fixed = [p for p in points if not p[0].candidate.overrides.get("target_itl_ms")]
+    budgets = [p for p in points if fixed(p[0])]
     for t in targets([p[0] for p in points]):
         for e, itl, ttft in points:
             if float(e.candidate.overrides.get("target_itl_ms") or 0) == t:
-                out.append((e, t, itl, ttft, [f for f in fixed if f[1] <= t]))
+                out.append((e, t, itl, ttft, [f for f in budgets if f[1] <= t]))
     return out
 
 
