@@ -57,7 +57,7 @@ def _finite(e: Evaluation) -> bool:
 
 def plot_frontier(evaluations: list[Evaluation], path: Path) -> None:
     import matplotlib.pyplot as plt  # the Agg backend is chosen by tandem.bench.report
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator
 
     from tandem.bench.report import save_figure
 
@@ -80,6 +80,7 @@ def plot_frontier(evaluations: list[Evaluation], path: Path) -> None:
     ax.set_xscale("log")
     ax.set_yscale("log")
     for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))  # labels within one decade too
         axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
         axis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
     ax.set_title("ITL p99 vs TTFT p99 (lower left is better; stars: ITL target policy; diamonds: the "
