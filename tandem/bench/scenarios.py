@@ -150,8 +150,8 @@ SCENARIOS = {s.name: s for s in (
              _power_user, max_num_seqs=4, configs=("fcfs:fairness=fcfs", "vtc:fairness=vtc")),
     Scenario("itl-target", f"ITL targets of {_TARGETS} ms against fixed budgets, on two loads",
              f"the sharegpt-bursty and long-prompts loads, each with the target policy at target_itl_ms="
-             f"{_TARGETS} and fixed chunked budgets of 32 to 512 tokens: which configurations keep ITL p99 "
-             f"within each target, and at what TTFT p99", None, configs=ITL_TARGET_CONFIGS,
+             f"{_TARGETS}, fixed chunked budgets of 32 to 512 tokens and the no-flag default: which "
+             f"configurations keep ITL p99 within each target, and at what TTFT p99", None, configs=ITL_TARGET_CONFIGS,
              loads=("sharegpt-bursty", "long-prompts")),
     Scenario("shared-prefix", "a shared system prompt and multi-turn chats, with and without the prefix cache",
              "24 questions (24-48 tokens, 32 output) behind one 1024-token system prompt, one a second, and 4 chats "
