@@ -77,8 +77,8 @@ class LoadedModel:
     quantization: str = "none"
     auto: AutoChoice | None = None
     """How ``--quantization auto`` chose, when it did."""
-    step_priors: dict[tuple[int, int], StepCost] = field(default_factory=dict)
-    """``step_prior`` per KV layout (blocks, block size), measured once: engines built over this
+    step_priors: dict[tuple[int, int, int], StepCost] = field(default_factory=dict)
+    """``step_prior`` per KV layout (blocks, block size) and full batch (``max_num_seqs``), measured once: engines built over this
     model (one per `tandem compare` configuration) start from the same estimate."""
     grammar: GrammarCompiler | None = None
     """Structured outputs' compiler: its compiled grammars serve every engine over this model."""
@@ -189,9 +189,10 @@ def engine_for(
         loaded.grammar = GrammarCompiler(loaded.tokenizer, loaded.spec.vocab_size, config.model.grammar_cache_size)
     runner = ModelRunner(loaded.model, layout, loaded.device, loaded.dtype, config.model.seed,
                          loaded.tokenizer.eos_token_ids, loaded.grammar)
-    key = (layout.num_blocks, layout.block_size)
+    key = (layout.num_blocks, layout.block_size, config.scheduler.max_num_seqs)
     if key not in loaded.step_priors:
-        loaded.step_priors[key] = step_prior(runner, layout, loaded.max_model_len)
+        loaded.step_priors[key] = step_prior(runner, layout, loaded.max_model_len,
+                                             max_num_seqs=config.scheduler.max_num_seqs)
         log.info("step-time prior: %s", loaded.step_priors[key])
     prior = loaded.step_priors[key]
     return Engine(
@@ -214,24 +215,33 @@ WARMUP_SECONDS = 0.8
 
 
 def step_prior(runner: ModelRunner, layout: KVLayout, max_model_len: int,
-               clock: Callable[[], float] = time.perf_counter) -> StepCost:
+               clock: Callable[[], float] = time.perf_counter, max_num_seqs: int = 8) -> StepCost:
     """The step-time model's start-up estimate: a few timed forward passes of different shapes
-    (one decode, a short and a longer prompt chunk, a batch of decodes at a long context, a chunk
-    behind a long context), fitted as the online model fits. The short chunk prices what a step
+    (one decode, a short and a longer prompt chunk, a full batch of ``max_num_seqs`` decodes at a
+    prompt's context, a batch of decodes at a long context, a chunk behind a long context), fitted
+    as the online model fits. The full batch is measured, not extrapolated: it is what the default
+    ITL target is a multiple of (``tandem.core.target_budget``), and a fit of the first steps of a
+    load, which hold a few decodes beside prompt chunks, can put a full batch anywhere from a
+    fraction to several times its real cost. The short chunk prices what a step
     pays once for carrying prompt work (``per_prompt_step``): without it, the first steps that mix
     a prompt chunk into running decodes are predicted far too fast. The short chunk is the start of
     a longer prompt, as the small chunks an ITL target cuts are: where the runner sends a request's
     prompt rows down another road by the prompt's length (w8a8's bf16 road, in whole tiles of rows),
-    that road's price is the one to learn. They run before any request, on the fresh KV cache: what
+    that road's price is the one to learn. The first four shapes are timed on every machine, however
+    slow; the long-context ones only while ``WARMUP_SECONDS`` last. They run before any request, on the fresh KV cache: what
     they write there is overwritten before any request reads it."""
     positions = min(layout.num_slots, max_model_len)
     far = min(1024, positions - 128)
     chunk = max(1, min(128, positions - 1))
     short = max(2, min(16, chunk // 4))
     shapes = [[(0, 1, 1)], [(0, short, chunk)], [(0, chunk, chunk)]]  # (start, tokens, prompt length)
+    if max_num_seqs > 1:
+        mid = max(1, min(256, positions - 1))
+        shapes.append([(mid, 1, mid + 1)] * max_num_seqs)
+    essential = len(shapes)  # timed on every machine; the long-context shapes only while time is left
     if far > 0:
         shapes += [[(far, 1, far + 1)] * 8, [(far, 64, far + 64)], [(far, 1, far + 1)]]
-    table = tuple(range(min(layout.num_blocks, layout.blocks_for(max(far + 64, chunk)))))
+    table = tuple(range(min(layout.num_blocks, layout.blocks_for(max(far + 64, chunk, 257)))))
     params = SamplingParams(max_tokens=1, temperature=0.0)
     observations: list[Observation] = []
     deadline = clock() + WARMUP_SECONDS
@@ -247,7 +257,7 @@ def step_prior(runner: ModelRunner, layout: KVLayout, max_model_len: int,
             runner.execute(out)
             best = min(best, clock() - t)
         observations.append(Observation(features(spans), best))
-        if clock() > deadline:
+        if i + 1 >= essential and clock() > deadline:
             break
     return StepCost(*fit(observations, StepCost().vector(), prior_weight=0.5))
 

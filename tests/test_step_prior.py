@@ -63,3 +63,37 @@ def test_prior_prices_a_short_chunk_of_a_long_prompt_on_its_prompts_road():
     truth = linear.predict(features(mixed)) + 0.030
     assert prior.predict(features(mixed)) == pytest.approx(truth, rel=0.2)
     assert prior.per_prompt_step > 0.015  # the tile, not a fresh short prompt's few rows
+
+
+@pytest.mark.parametrize("max_num_seqs", [16, 32, 64])
+def test_prior_prices_a_full_batch_of_decodes_as_measured(max_num_seqs):
+    # a cost whose per-stream term grows with the batch (attention over many streams' caches): a fit
+    # of one decode and prompt chunks alone would extrapolate a full batch far from its cost
+    class Superlinear:
+        def __init__(self, linear: StepCost) -> None:
+            self.linear = linear
+
+        def seconds(self, out) -> float:
+            spans = [(c.start, c.num_tokens) for c in out.chunks]
+            decodes = sum(1 for c in out.chunks if c.is_decode)
+            return self.linear.predict(features(spans)) + 2e-5 * decodes * decodes
+
+    linear = StepCost(base=0.010, per_token=0.0004, per_seq=0.0002, per_context=1e-6)
+    clock = VirtualClock()
+    prior = step_prior(SimRunner(clock, Superlinear(linear)), KVLayout(512, 16), 8192, clock=clock,
+                       max_num_seqs=max_num_seqs)
+    full = [(256, 1)] * max_num_seqs
+    truth = linear.predict(features(full)) + 2e-5 * max_num_seqs ** 2
+    assert prior.predict(features(full)) == pytest.approx(truth, rel=0.15)
+
+
+def test_a_slow_machine_still_times_the_full_batch():
+    # every step a few hundred ms (a slow CPU): the warm-up's time runs out after the first shapes,
+    # but the full batch, which the default ITL target is priced by, is timed all the same
+    slow = StepCost(base=0.150, per_token=0.002, per_seq=0.003, per_context=4e-6)
+    clock = VirtualClock()
+    runner = SimRunner(clock, slow)
+    prior = step_prior(runner, KVLayout(512, 16), 8192, clock=clock, max_num_seqs=32)
+    full = features([(256, 1)] * 32)
+    assert prior.predict(full) == pytest.approx(slow.predict(full), rel=0.1)
+    assert clock() < 10 * 0.8  # and the long-context shapes were left out
