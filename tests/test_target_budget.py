@@ -278,6 +278,19 @@ def test_factor_target_is_a_multiple_of_a_full_batch_of_decodes():
     assert default.itl_target_factor > 1 and PrefillShare(StepTimeModel(COST), planned, default, BLOCK, 0.0).limited
 
 
+def test_factor_target_is_priced_by_the_start_up_estimate_not_the_online_fit():
+    # the online fit of a load's first steps (a few decodes beside prompt chunks) extrapolates a
+    # full batch far off its cost; the target stays the start-up estimate's multiple whatever it says
+    planned = _decodes(4)
+    factor = SchedulerConfig(itl_target_factor=2.0, min_target_itl_ms=5.0, max_num_seqs=32)
+    fitted = StepTimeModel(COST)
+    before = PrefillShare(fitted, planned, factor, BLOCK, 0.0).target
+    assert before == pytest.approx(2 * COST.predict(features([(100, 1)] * 32)))
+    fitted.coefficients = StepCost(**{**COST.__dict__, "per_seq": 10 * COST.per_seq})  # a fit 10x off per stream
+    assert fitted.predict(features([(100, 1)] * 32)) > 2.5 * COST.predict(features([(100, 1)] * 32))
+    assert PrefillShare(fitted, planned, factor, BLOCK, 0.0).target == pytest.approx(before)
+
+
 def test_one_block_minimum_when_decodes_alone_exceed_the_target():
     share = _share(40)  # 40 decodes: 38 ms of decodes under a 20 ms target
     prompt = Request("p", list(range(1, 1001)), SamplingParams(), 0.0, 10_000)

@@ -4,8 +4,9 @@ The rule, for one step, after the running decodes are planned:
 
 * **ITL.** While any decode runs, the step's target T is the tightest ``target_itl_ms`` among
   the decoding requests (a request's own, else the engine's; with neither, ``itl_target_factor``
-  times the predicted decode step of a full batch, ``max_num_seqs`` streams at the running ones'
-  mean context, at least ``min_target_itl_ms``). Prefill chunks are granted, in
+  times the decode step of a full batch, ``max_num_seqs`` streams at the running ones' mean
+  context, as the start-up estimate (which timed such a batch) prices it, at least
+  ``min_target_itl_ms``). Prefill chunks are granted, in
   rank order, the most tokens that keep the step-time model's prediction of the whole step
   within T. Whatever the prediction says, the step gets one KV block (``block_size`` tokens) of
   prefill, so prompts never starve; where the runner multiplies a long prompt's chunk in whole
@@ -209,8 +210,13 @@ class PrefillShare:
         if self.target is None and planned and settings.itl_target_factor:
             # no explicit target: a multiple of what a full batch of decodes takes, so it scales with
             # the CPU instead of being one number for every machine, and does not tighten while only
-            # a few streams run (when a long step delays few gaps and prompts are waiting)
-            self.target = max(settings.itl_target_factor * model.predict(full_batch(planned, settings.max_num_seqs)),
+            # a few streams run (when a long step delays few gaps and prompts are waiting). Priced by
+            # the start-up estimate, which timed a full batch, not by the online fit: that fit sees
+            # the steps a load runs (a few decodes beside prompt chunks at first, never a full batch
+            # at C < max_num_seqs) and its extrapolation moved a 32-decode step between 31 and 262 ms
+            # over the first 48 steps of two runs of one load, and with it T; nor does T grow when
+            # the host slows (the margin, from measured gaps, keeps steps within it then)
+            self.target = max(settings.itl_target_factor * model.prior.predict(full_batch(planned, settings.max_num_seqs)),
                               settings.min_target_itl_ms / 1000.0)
         self.min_tokens = min_tokens
         """Prompt tokens a step carries whatever the prediction says: one KV block, or the
