@@ -99,8 +99,8 @@ class SchedulerConfig:
         default=3.5,
         metadata=_help(
             "chunked, when no --target-itl-ms applies: while streams decode, the ITL target is this many "
-            "times the predicted decode step of a full batch (--max-num-seqs streams at the running ones' mean "
-            "context; at least --min-target-itl-ms), so streams stay smooth by default and the target scales "
+            "times the decode step of a full batch (--max-num-seqs streams at the running ones' mean context, "
+            "as timed at start-up; at least --min-target-itl-ms), so streams stay smooth by default and the target scales "
             "with the machine; 0 turns it off (a fixed --max-num-batched-tokens budget)"
         ),
     )
