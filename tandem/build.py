@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from tandem.config import EngineConfig, ModelConfig
+from tandem.config import EngineConfig, ModelConfig, SchedulerConfig
 from tandem.core.engine import Engine
 from tandem.core.outputs import StepStats
 from tandem.core.sampling_params import SamplingParams
@@ -78,8 +78,9 @@ class LoadedModel:
     auto: AutoChoice | None = None
     """How ``--quantization auto`` chose, when it did."""
     step_priors: dict[tuple[int, int, int], StepCost] = field(default_factory=dict)
-    """``step_prior`` per KV layout (blocks, block size) and full batch (``max_num_seqs``), measured once: engines built over this
-    model (one per `tandem compare` configuration) start from the same estimate."""
+    """``step_prior`` per KV layout (blocks, block size) and full batch (``max_num_seqs``), measured
+    once: engines built over this model (one per `tandem compare` configuration) start from the same
+    estimate."""
     grammar: GrammarCompiler | None = None
     """Structured outputs' compiler: its compiled grammars serve every engine over this model."""
 
@@ -215,7 +216,8 @@ WARMUP_SECONDS = 0.8
 
 
 def step_prior(runner: ModelRunner, layout: KVLayout, max_model_len: int,
-               clock: Callable[[], float] = time.perf_counter, max_num_seqs: int = 8) -> StepCost:
+               clock: Callable[[], float] = time.perf_counter,
+               max_num_seqs: int = SchedulerConfig.max_num_seqs) -> StepCost:
     """The step-time model's start-up estimate: a few timed forward passes of different shapes
     (one decode, a short and a longer prompt chunk, a full batch of ``max_num_seqs`` decodes at a
     prompt's context, a batch of decodes at a long context, a chunk behind a long context), fitted
@@ -228,20 +230,20 @@ def step_prior(runner: ModelRunner, layout: KVLayout, max_model_len: int,
     a longer prompt, as the small chunks an ITL target cuts are: where the runner sends a request's
     prompt rows down another road by the prompt's length (w8a8's bf16 road, in whole tiles of rows),
     that road's price is the one to learn. The first four shapes are timed on every machine, however
-    slow; the long-context ones only while ``WARMUP_SECONDS`` last. They run before any request, on the fresh KV cache: what
-    they write there is overwritten before any request reads it."""
+    slow; the long-context ones only while ``WARMUP_SECONDS`` last. They run before any request, on
+    the fresh KV cache: what they write there is overwritten before any request reads it."""
     positions = min(layout.num_slots, max_model_len)
     far = min(1024, positions - 128)
     chunk = max(1, min(128, positions - 1))
     short = max(2, min(16, chunk // 4))
+    mid = max(1, min(256, positions - 1))  # a prompt's context, where the full batch decodes
     shapes = [[(0, 1, 1)], [(0, short, chunk)], [(0, chunk, chunk)]]  # (start, tokens, prompt length)
     if max_num_seqs > 1:
-        mid = max(1, min(256, positions - 1))
         shapes.append([(mid, 1, mid + 1)] * max_num_seqs)
     essential = len(shapes)  # timed on every machine; the long-context shapes only while time is left
     if far > 0:
         shapes += [[(far, 1, far + 1)] * 8, [(far, 64, far + 64)], [(far, 1, far + 1)]]
-    table = tuple(range(min(layout.num_blocks, layout.blocks_for(max(far + 64, chunk, 257)))))
+    table = tuple(range(min(layout.num_blocks, layout.blocks_for(max(far + 64, chunk, mid + 1)))))
     params = SamplingParams(max_tokens=1, temperature=0.0)
     observations: list[Observation] = []
     deadline = clock() + WARMUP_SECONDS

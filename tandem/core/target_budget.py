@@ -213,11 +213,11 @@ class PrefillShare:
             # a few streams run (when a long step delays few gaps and prompts are waiting). Priced by
             # the start-up estimate, which timed a full batch, not by the online fit: that fit sees
             # the steps a load runs (a few decodes beside prompt chunks at first, never a full batch
-            # at C < max_num_seqs) and its extrapolation moved a 32-decode step between 31 and 262 ms
-            # over the first 48 steps of two runs of one load, and with it T; nor does T grow when
-            # the host slows (the margin, from measured gaps, keeps steps within it then)
-            self.target = max(settings.itl_target_factor * model.prior.predict(full_batch(planned, settings.max_num_seqs)),
-                              settings.min_target_itl_ms / 1000.0)
+            # at C < max_num_seqs), so its extrapolation of a full batch, and with it T, moves from
+            # step to step; nor does T grow when the host slows (the margin, from measured gaps,
+            # keeps steps within it then)
+            full = model.prior.predict(full_batch(planned, settings.max_num_seqs))
+            self.target = max(settings.itl_target_factor * full, settings.min_target_itl_ms / 1000.0)
         self.min_tokens = min_tokens
         """Prompt tokens a step carries whatever the prediction says: one KV block, or the
         runner's prompt tile where a chunk costs whole tiles (``ChunkedPolicy.use_step_model``)."""
