@@ -22,7 +22,7 @@ from pathlib import Path
 
 import tandem.core.policies as policies
 from tandem import LLM, SamplingParams
-from tandem.core.target_budget import NoiseMargin
+from tandem.core.gap_ledgers import NoiseMargin
 from tandem.kernels.cpu_features import cpu_model
 
 

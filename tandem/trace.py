@@ -1,7 +1,9 @@
 """The step timeline as a Chrome trace (JSON; opens in Perfetto or chrome://tracing).
 
-Process "engine" has one track of steps, each labelled with its prefill/decode token mix, and
-counter tracks for KV usage and queue lengths. Process "requests" has one track per request,
+Process "engine" has one track of steps, each labelled with its prefill/decode token mix (and,
+under an ITL target, the target T, the noise margin and what set its prompt work: ``itl``,
+``ttft`` or ``overrun``), and counter tracks for KV usage, queue lengths and the ITL target (T
+and the share of it prompt work was sized to). Process "requests" has one track per request,
 named by its request id (for the server, the ``cmpl-…``/``chatcmpl-…`` id the client sees, with
 ``-<choice>`` when one response has several): a "request" span from arrival to the end of its
 last step, holding a "queued" span from arrival to its first step, then one span per step that
@@ -19,6 +21,7 @@ import threading
 from pathlib import Path
 
 from tandem.core.outputs import ChunkStat, RequestOutput, StepStats
+from tandem.core.step import StepSizing
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,14 @@ def _chunk_name(c: ChunkStat) -> str:
     if c.num_recomputed_tokens:
         return f"recompute {c.num_recomputed_tokens} tok"
     return f"prefill {c.num_tokens} tok"
+
+
+def _sizing_args(sizing: StepSizing | None) -> dict:
+    """A step's ITL sizing as trace args: T, the noise margin and what set its prompt work."""
+    if sizing is None:
+        return {}
+    return {"itl_target_ms": round(sizing.target_seconds * 1e3, 3), "itl_margin": round(sizing.margin, 4),
+            "prefill_limit": sizing.limit, "ttft_tokens": sizing.ttft_tokens}
 
 
 class TraceRecorder:
@@ -92,8 +103,13 @@ class TraceRecorder:
                     "decode_tokens": s.num_decode_tokens, "seqs": s.num_seqs, "kv_blocks_used": s.kv_blocks_used,
                     "preempted": s.num_preempted, "recomputed_tokens": s.num_recomputed_tokens, "error": s.error,
                     "predicted_ms": None if s.predicted_seconds is None else round(s.predicted_seconds * 1e3, 3),
+                    **_sizing_args(s.sizing),
                 },
             })
+            if s.sizing is not None:
+                self.events.append({"ph": "C", "pid": _ENGINE_PID, "ts": ts, "name": "itl_target_ms",
+                                    "args": {"target": round(s.sizing.target_seconds * 1e3, 3),
+                                             "sized_to": round(s.sizing.target_seconds * s.sizing.margin * 1e3, 3)}})
             self.events.append({"ph": "C", "pid": _ENGINE_PID, "ts": ts, "name": "kv_blocks_used",
                                 "args": {"used": s.kv_blocks_used}})
             self.events.append({"ph": "C", "pid": _ENGINE_PID, "ts": ts, "name": "requests",

@@ -12,7 +12,8 @@ from tandem.config import SchedulerConfig
 from tandem.core.budget import Planned
 from tandem.core.request import Request, SamplingParams
 from tandem.core.step_time import StepCost, StepTimeModel, features
-from tandem.core.target_budget import MARGIN_MIN_STEPS, NoiseMargin, OverrunLedger, PrefillShare, itl_target
+from tandem.core.gap_ledgers import MARGIN_MIN_STEPS, NoiseMargin, OverrunLedger
+from tandem.core.target_budget import PrefillShare, itl_target
 from tandem.sim import StepCost as SimStepCost
 from tandem.sim import sim_engine
 
@@ -86,6 +87,10 @@ def test_no_step_predicted_over_the_target_while_decodes_run():
         if s.num_decode_tokens:
             checked += 1
             assert s.predicted_seconds <= T_MS / 1e3 + 1e-12 or s.num_prefill_tokens <= BLOCK, s
+            # each such step records why it was sized: the target, with the ITL share setting its prompt work
+            assert s.sizing.target_seconds == pytest.approx(T_MS / 1e3) and s.sizing.limit == "itl", s.sizing
+        else:
+            assert s.sizing is None  # nobody streams: no target applied
     assert checked > 100
     # and prompts still moved in steps that carried decodes (the target shares, it does not starve)
     assert sum(s.num_prefill_tokens for s in steps if s.num_decode_tokens) > 10_000
@@ -128,6 +133,12 @@ def test_overrun_share_finishes_prompts_sooner_within_its_allowance():
     # the steps that ran over carried prompt tokens beyond the ITL share
     assert any(s.num_decode_tokens and s.predicted_seconds > T_MS / 1e3 and s.num_prefill_tokens > BLOCK
                for s in spent[1])
+    # and they are the steps recorded as sized by the allowance; the strict run records none
+    for s in spent[1]:
+        if s.num_decode_tokens and s.predicted_seconds > T_MS / 1e3 + 1e-9 and s.num_prefill_tokens > BLOCK:
+            assert s.sizing.limit == "overrun", s
+    assert any(s.sizing is not None and s.sizing.overrun for s in spent[1])
+    assert not any(s.sizing is not None and s.sizing.overrun for s in strict[1])
     def first_tokens(steps):  # the same arrivals in both runs: the sums compare total TTFT
         first = {}
         for st in steps:
@@ -308,6 +319,8 @@ def test_ttft_target_takes_a_larger_share_only_when_it_can_make_it():
     tight = Request("t", list(range(1, 1001)), SamplingParams(), 0.5, 10_000)
     n = share.size(tight, 512)
     assert n > itl_only
+    share.take(0, n)
+    assert share.sizing().limit == "ttft" and share.sizing().ttft_tokens == n - itl_only
     assert share._time_to_first_token(0, 1000, n) <= 0.5
     assert share._time_to_first_token(0, 1000, n - 1) > 0.5  # the smallest chunk that makes it
     # a deadline 50 ms from now cannot be met even at the whole budget: it keeps the ITL share
@@ -328,8 +341,10 @@ def test_ttft_target_improves_long_prompts_in_the_sim():
         span = steps[-1].start + steps[-1].duration - steps[0].start
         return sum(s.num_prefill_tokens for s in steps) / span
     assert prefill_rate(ttft_steps) >= prefill_rate(plain_steps)
-    assert any(s.predicted_seconds > T_MS / 1e3 + 1e-9 and s.num_decode_tokens and s.num_prefill_tokens > BLOCK
-               for s in ttft_steps)
+    boosted = [s for s in ttft_steps
+               if s.predicted_seconds > T_MS / 1e3 + 1e-9 and s.num_decode_tokens and s.num_prefill_tokens > BLOCK]
+    assert boosted and all(s.sizing.limit == "ttft" and s.sizing.ttft_tokens > 0 for s in boosted)
+    assert not any(s.sizing is not None and s.sizing.ttft_tokens for s in plain_steps)
 
 
 @pytest.mark.parametrize("field,value", [

@@ -277,6 +277,7 @@ class Engine:
             num_cache_queries=self.scheduler.last_cache_queries,
             num_cached_tokens=self.scheduler.last_cached_tokens,
             predicted_seconds=predicted,
+            sizing=out.sizing,
         )
         if self.record_steps:
             self.step_stats.append(stats)

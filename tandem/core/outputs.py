@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.core.request import RequestTiming, TokenLogprob
+from tandem.core.step import StepSizing
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class StepStats:
     step that failed for some requests produced only the others'."""
     predicted_seconds: float | None = None
     """The step-time model's prediction of ``duration``, made before the step ran."""
+    sizing: StepSizing | None = None
+    """Under an ITL target: the target T, the noise margin and what set the step's prompt work
+    (``StepSizing.limit``); None when no target applied."""
 
     @property
     def num_sampled(self) -> int:

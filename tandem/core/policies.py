@@ -22,8 +22,10 @@ from tandem.core.budget import StepBudget
 from tandem.core.queues import RequestQueues
 from tandem.core.registry import make
 from tandem.core.request import Request, RequestStatus
+from tandem.core.step import StepSizing
 from tandem.core.step_time import StepCost, StepTimeModel
-from tandem.core.target_budget import NoiseMargin, OverrunLedger, PrefillShare
+from tandem.core.gap_ledgers import NoiseMargin, OverrunLedger
+from tandem.core.target_budget import PrefillShare
 
 
 class PolicySettings(Protocol):
@@ -42,6 +44,8 @@ class PolicySettings(Protocol):
 
 class Policy(Protocol):
     name: str
+    last_sizing: StepSizing | None
+    """How the last ``schedule`` sized its prompt work under an ITL target (None: no target)."""
 
     def schedule(self, queues: RequestQueues, budget: StepBudget) -> None: ...
 
@@ -70,6 +74,7 @@ def _admit_whole_prompts(queues: RequestQueues, budget: StepBudget, reserve_outp
 
 class StaticPolicy:
     name = "static"
+    last_sizing = None
 
     def schedule(self, queues: RequestQueues, budget: StepBudget) -> None:
         if queues.running:
@@ -82,6 +87,7 @@ class StaticPolicy:
 
 class PrefillFirstPolicy:
     name = "prefill-first"
+    last_sizing = None
 
     def schedule(self, queues: RequestQueues, budget: StepBudget) -> None:
         _admit_whole_prompts(queues, budget, reserve_output=False, token_budget=True)
@@ -104,6 +110,7 @@ class ChunkedPolicy:
         self.margin = NoiseMargin(settings.itl_margin_share)
         self._last: _Sized | None = None
         """The last step that carried decodes under an ITL target, settled when the next is planned."""
+        self.last_sizing: StepSizing | None = None
 
     def use_step_model(self, model: StepTimeModel, clock: Callable[[], float], prompt_tile: int = 1) -> None:
         """The engine's fitted model, its clock, and the rows its runner multiplies a long prompt's
@@ -157,6 +164,7 @@ class ChunkedPolicy:
                 break
             share.take(start, n)
             long_active += is_long
+        self.last_sizing = share.sizing()
         if decodes and (self.margin.slack or self.ledger.share):
             self._last = _Sized(now, decodes, share.target, self.step_model.last, share.granted > 0,
                                 share.predicted())

@@ -150,6 +150,7 @@ class Scheduler:
             chunks=tuple(chunks),
             preempted_ids=tuple(r.request_id for r in budget.preempted),
             finished_ids=tuple(finished),
+            sizing=self.policy.last_sizing,
         )
 
     def _count_reuse(self, request: Request) -> None:

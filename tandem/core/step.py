@@ -76,12 +76,34 @@ class ScheduledChunk:
 
 
 @dataclass(frozen=True)
+class StepSizing:
+    """Why a step under an ITL target carried the prompt work it did (``target_budget.PrefillShare``)."""
+
+    target_seconds: float
+    """T: the tightest ITL target of the step's decodes (a request's, the engine's, or the default's
+    ``itl_target_factor`` times a full batch)."""
+    margin: float
+    """The share of T that prompt work was sized to (the noise margin; 1: none)."""
+    overrun: bool = False
+    """The overrun allowance let the step take the whole token budget instead of its ITL share."""
+    ttft_tokens: int = 0
+    """Prompt tokens granted beyond the ITL share so that prompts meet their TTFT deadlines."""
+
+    @property
+    def limit(self) -> str:
+        """What set the prefill share: 'overrun', 'ttft' or 'itl'."""
+        return "overrun" if self.overrun else "ttft" if self.ttft_tokens else "itl"
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     step_id: int
     chunks: tuple[ScheduledChunk, ...]
     preempted_ids: tuple[str, ...] = ()
     finished_ids: tuple[str, ...] = ()
     """Requests that ended since the previous step: the runner drops their state."""
+    sizing: StepSizing | None = None
+    """How the policy sized the step's prompt work under an ITL target (None: no target applied)."""
 
     @property
     def num_decode_tokens(self) -> int:

@@ -40,12 +40,12 @@ chunk size (each carrying the current decodes), not the prompts queued ahead of 
 from __future__ import annotations
 
 import math
-from collections import deque
 from typing import Protocol, Sequence
 
 from tandem.core.budget import Planned
 from tandem.core.request import Request
 from tandem.core.sampling_params import SamplingParams
+from tandem.core.step import StepSizing
 from tandem.core.step_time import Features, StepTimeModel, add, chunk_features, features
 
 
@@ -92,107 +92,6 @@ def full_batch(planned: Sequence[Planned], max_num_seqs: int) -> Features:
     return features([(start, 1)] * n)
 
 
-OVERRUN_WINDOW = 4096
-"""Inter-token gaps the overrun ledger remembers."""
-
-
-class GapWindow:
-    """The last ``window`` inter-token gaps, step by step, and how many of them are marked (ran over
-    the target, or were in a step with prompt work): each decode of a step is one gap."""
-
-    def __init__(self, window: int = OVERRUN_WINDOW) -> None:
-        self.window = window
-        self.steps: deque[tuple[int, int]] = deque()  # (gaps, of them marked) per step
-        self.gaps = 0
-        self.marked = 0
-
-    def add(self, gaps: int, marked: bool) -> None:
-        m = gaps if marked else 0
-        self.steps.append((gaps, m))
-        self.gaps += gaps
-        self.marked += m
-        while self.gaps - self.steps[0][0] >= self.window:
-            old, old_marked = self.steps.popleft()
-            self.gaps -= old
-            self.marked -= old_marked
-
-
-class OverrunLedger:
-    """The recent inter-token gaps and how many ran over their step's ITL target."""
-
-    def __init__(self, share: float, window: int = OVERRUN_WINDOW) -> None:
-        self.share = share
-        self.recent = GapWindow(window)
-
-    @property
-    def gaps(self) -> int:
-        return self.recent.gaps
-
-    @property
-    def over(self) -> int:
-        return self.recent.marked
-
-    def record(self, decodes: int, seconds: float, target: float) -> None:
-        """A measured step with ``decodes`` running streams and the ITL target it was sized to."""
-        if decodes > 0:
-            self.recent.add(decodes, seconds > target)
-
-    def allows(self, decodes: int) -> bool:
-        """May a step with ``decodes`` running streams run over the target?"""
-        return self.share > 0 and decodes > 0 and self.over + decodes <= self.share * (self.gaps + decodes)
-
-
-MARGIN_WINDOW = 256
-"""Steps with prompt work whose measured/predicted ratio the noise margin remembers."""
-MARGIN_MIN_STEPS = 1
-"""Below this many, the margin is 1 (the steps are sized to T itself). With few steps measured the
-quantile is their largest ratio: the margin starts cautious and relaxes as steps accumulate."""
-
-
-class NoiseMargin:
-    """How far below T to size steps so that the measured gaps, not the predicted steps, stay
-    within the target at p99.
-
-    A step sized to T is predicted at T; measured, it runs longer about half the time (noise, and
-    the time between steps that the streams' gaps include and a step's own time does not). Each
-    step that carried decodes is recorded with its cycle (its start to the next step's start, the
-    gap its streams saw) and its prediction. If a share f of the recent gaps were in steps with
-    prompt work (the steps sized to the target) and a share ``slack`` of all gaps may run over T,
-    those steps may run over on a share slack / f of them; the margin is 1 over the matching
-    quantile of their measured/predicted ratio, at most 1."""
-
-    def __init__(self, slack: float, window: int = MARGIN_WINDOW, gap_window: int = OVERRUN_WINDOW) -> None:
-        self.slack = slack
-        self.ratios: deque[float] = deque(maxlen=window)
-        self.recent = GapWindow(gap_window)  # marked: gaps in steps with prompt work
-        self.factor = 1.0
-
-    @property
-    def gaps(self) -> int:
-        return self.recent.gaps
-
-    @property
-    def mixed_gaps(self) -> int:
-        return self.recent.marked
-
-    def record(self, decodes: int, mixed: bool, predicted: float, cycle: float) -> None:
-        if decodes <= 0 or predicted <= 0 or cycle <= 0:
-            return
-        self.recent.add(decodes, mixed)
-        if mixed:
-            self.ratios.append(cycle / predicted)
-            self._update()
-
-    def _update(self) -> None:
-        if self.slack <= 0 or len(self.ratios) < MARGIN_MIN_STEPS or not self.mixed_gaps:
-            self.factor = 1.0
-            return
-        allowed = min(0.5, self.slack * self.gaps / self.mixed_gaps)  # share of those steps that may run over
-        ordered = sorted(self.ratios)
-        ratio = ordered[min(len(ordered) - 1, int((1.0 - allowed) * len(ordered)))]
-        self.factor = min(1.0, 1.0 / ratio)
-
-
 class PrefillShare:
     """One step's prefill allowance: ``size`` a chunk, then ``take`` it once it is scheduled."""
 
@@ -222,6 +121,9 @@ class PrefillShare:
         """Prompt tokens a step carries whatever the prediction says: one KV block, or the
         runner's prompt tile where a chunk costs whole tiles (``ChunkedPolicy.use_step_model``)."""
         self.granted = 0
+        self.ttft_tokens = 0
+        """Of ``granted``, the tokens beyond the ITL share that TTFT deadlines took."""
+        self._ttft_pending = 0  # of the chunk ``size`` last returned, until it is taken
 
     @property
     def limited(self) -> bool:
@@ -239,11 +141,21 @@ class PrefillShare:
             return max(want, 0)
         start = request.num_computed_tokens
         n = max(self._fits(start, want), min(want, self.min_tokens - self.granted))
-        return max(n, self._ttft_chunk(request, start, n, want))
+        chunk = max(n, self._ttft_chunk(request, start, n, want))
+        self._ttft_pending = chunk - n
+        return chunk
 
     def take(self, start: int, n: int) -> None:
         self.x = add(self.x, chunk_features(start, n))
         self.granted += n
+        self.ttft_tokens += self._ttft_pending
+        self._ttft_pending = 0
+
+    def sizing(self) -> StepSizing | None:
+        """What sized this step's prompt work, for its ``StepStats`` (None: no target applied)."""
+        if self.target is None:
+            return None
+        return StepSizing(self.target, self.margin, self.overrun, self.ttft_tokens)
 
     def _fits(self, start: int, want: int) -> int:
         """The largest chunk at ``start`` that keeps the predicted step within the target (less the margin)."""

@@ -100,6 +100,16 @@ class ServerMetrics:
             "tandem:itl_target_margin", "With an ITL target: the share of the target that steps with prompt work "
             "are sized to, learnt from how much longer than predicted such steps ran (1: no margin).", m, registry=r)
         self.itl_margin.labels(model_name).set(1.0)
+        self.itl_target = Gauge(
+            "tandem:itl_target_seconds", "The ITL target T the last step with running streams was sized to "
+            "(0: no target applied).", m, registry=r)
+        self.itl_target.labels(model_name).set(0)
+        self.sized_steps = Counter(
+            "tandem:itl_sized_steps", "Steps sized under an ITL target, by what set their prompt work: itl (the "
+            "share that keeps the predicted step within T), ttft (more, for a prompt's TTFT deadline), overrun "
+            "(the whole token budget, under the overrun allowance).", [*m, "limit"], registry=r)
+        for limit in ("itl", "ttft", "overrun"):
+            self.sized_steps.labels(model_name, limit)
         self.step_error = hist("step_time_prediction_error",
                                "|predicted - measured| / measured step time, per step.", _REL_ERROR)
         self.engine_info = Info("tandem:engine", "Which paths run: CPU, kernel variant, dtype, weight format, "
@@ -155,9 +165,12 @@ class ServerMetrics:
         model = getattr(engine, "step_model", None)
         if model is not None:
             self.set_step_model(model)
-        margin = getattr(getattr(getattr(engine, "scheduler", None), "policy", None), "margin", None)
-        if margin is not None:
-            self.itl_margin.labels(lm).set(margin.factor)
+        if s.sizing is not None:
+            self.itl_margin.labels(lm).set(s.sizing.margin)
+            self.itl_target.labels(lm).set(s.sizing.target_seconds)
+            self.sized_steps.labels(lm, s.sizing.limit).inc()
+        elif s.num_decode_tokens:
+            self.itl_target.labels(lm).set(0)
         flops, nbytes = self.cost.step(s.spans(), s.num_sampled)
         with self._lock:
             end = s.start + s.duration
