@@ -167,55 +167,63 @@ def test_round_robin_alternates_and_the_body_limit_holds_at_the_ingress(cluster)
         assert_error(r, 413)
 
 
-def test_least_loaded_avoids_the_busy_replica(cluster):
+@pytest.fixture(scope="module")
+def least_loaded_client(cluster):
+    """One least-loaded deployment for the routing test and then the killed-replica test (which
+    runs last in this module: it leaves a replaced replica behind)."""
+    with deploy(cluster, routing="least-loaded") as client:
+        yield client
+
+
+def test_least_loaded_avoids_the_busy_replica(least_loaded_client):
     """Three short requests sent one after another while a long one runs all go to the other
     replica. The long request (400 tokens of a tiny model) may finish before the third short one
     is routed on a fast machine: such an attempt proves nothing and is run again."""
-    with deploy(cluster, routing="least-loaded") as client:
-        for attempt in range(5):
-            before = routed(client)
-            with client.stream("POST", "/v1/completions", headers=AUTH,
-                               json={"prompt": "w1 w2", "max_tokens": 400, "ignore_eos": True, "stream": True}) as long:
-                lines = long.iter_lines()
-                next(lines)  # the long request runs
-                busy = next(x["replica"] for x in client.get("/replicas").json()["replicas"] if x["in_flight"])
-                for i in range(3):
-                    complete(client, f"w{i} w9", max_tokens=2)
-                still_busy = any(x["replica"] == busy and x["in_flight"]
-                                 for x in client.get("/replicas").json()["replicas"])
-                for _ in lines:
-                    pass
-            after = routed(client, sum(before.values()) + 4)  # the three short ones and the long one
-            counts = per_replica({k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)})
-            if still_busy:
-                assert counts.get(busy) == 1 and sum(counts.values()) == 4, counts  # only the long one
-                return
-        pytest.fail("the long request ended before the short ones were routed in every attempt")
-
-
-def test_a_killed_replica_ends_its_stream_and_others_serve(cluster):
-    with deploy(cluster, routing="least-loaded") as client:
+    client = least_loaded_client
+    for attempt in range(5):
+        before = routed(client)
         with client.stream("POST", "/v1/completions", headers=AUTH,
-                           json={"prompt": "w1 w2", "max_tokens": 500, "ignore_eos": True, "stream": True}) as r:
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: ")
-            replicas = client.get("/replicas").json()["replicas"]
-            victim = next(x for x in replicas if x["in_flight"] > 0)
-            ray.kill(ray.get_actor(victim["actor_name"], namespace="serve"), no_restart=True)
-            started = time.monotonic()
-            rest = [line[6:] for line in lines if line.startswith("data: ")]
-            assert time.monotonic() - started < 30
-        assert rest[-1] == "[DONE]"
-        last = json.loads(rest[-2])
-        assert last.get("error", {}).get("code") == "replica_failed" or "choices" in last, rest[-3:]
-        # new requests go to the replica alive (allow the router a moment to learn of the death)
-        deadline, ok = time.monotonic() + 30, 0
-        while ok < 3 and time.monotonic() < deadline:
-            r = client.post("/v1/completions", headers=AUTH, json={"prompt": "w3", "max_tokens": 2})
-            ok = ok + 1 if r.status_code == 200 else 0
-        assert ok == 3
-        # Ray Serve replaces it
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and client.get("/health").json().get("replicas_alive") != 2:
-            time.sleep(1)
-        assert client.get("/health").json()["replicas_alive"] == 2
+                           json={"prompt": "w1 w2", "max_tokens": 400, "ignore_eos": True, "stream": True}) as long:
+            lines = long.iter_lines()
+            next(lines)  # the long request runs
+            busy = next(x["replica"] for x in client.get("/replicas").json()["replicas"] if x["in_flight"])
+            for i in range(3):
+                complete(client, f"w{i} w9", max_tokens=2)
+            still_busy = any(x["replica"] == busy and x["in_flight"]
+                             for x in client.get("/replicas").json()["replicas"])
+            for _ in lines:
+                pass
+        after = routed(client, sum(before.values()) + 4)  # the three short ones and the long one
+        counts = per_replica({k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)})
+        if still_busy:
+            assert counts.get(busy) == 1 and sum(counts.values()) == 4, counts  # only the long one
+            return
+    pytest.fail("the long request ended before the short ones were routed in every attempt")
+
+
+def test_a_killed_replica_ends_its_stream_and_others_serve(least_loaded_client):
+    client = least_loaded_client
+    with client.stream("POST", "/v1/completions", headers=AUTH,
+                       json={"prompt": "w1 w2", "max_tokens": 500, "ignore_eos": True, "stream": True}) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        replicas = client.get("/replicas").json()["replicas"]
+        victim = next(x for x in replicas if x["in_flight"] > 0)
+        ray.kill(ray.get_actor(victim["actor_name"], namespace="serve"), no_restart=True)
+        started = time.monotonic()
+        rest = [line[6:] for line in lines if line.startswith("data: ")]
+        assert time.monotonic() - started < 30
+    assert rest[-1] == "[DONE]"
+    last = json.loads(rest[-2])
+    assert last.get("error", {}).get("code") == "replica_failed" or "choices" in last, rest[-3:]
+    # new requests go to the replica alive (allow the router a moment to learn of the death)
+    deadline, ok = time.monotonic() + 30, 0
+    while ok < 3 and time.monotonic() < deadline:
+        r = client.post("/v1/completions", headers=AUTH, json={"prompt": "w3", "max_tokens": 2})
+        ok = ok + 1 if r.status_code == 200 else 0
+    assert ok == 3
+    # Ray Serve replaces it
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and client.get("/health").json().get("replicas_alive") != 2:
+        time.sleep(1)
+    assert client.get("/health").json()["replicas_alive"] == 2
