@@ -57,3 +57,15 @@ def tiny_model_dirs(tmp_path_factory):
         save_tiny(family, d)
         dirs[family] = str(d)
     return dirs
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    """The embedded default model in float32 with the weights as stored (the mode the references
+    were made in; ``--quantization auto`` would choose another), chunked in 8-token pieces so that
+    prompts mix with other prompts' decodes. Loaded once for the session: it takes seconds."""
+    from tandem import LLM
+
+    return LLM(dtype="float32", quantization="none", device="cpu", max_model_len=512, policy="chunked",
+               max_num_batched_tokens=8)
+

@@ -12,17 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from tandem import LLM, SamplingParams
+from tandem import SamplingParams
 from tandem.weights import cache as wcache
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "gemma3_270m_greedy.json").read_text())
 
 
 @pytest.fixture(scope="module")
-def gemma():
-    # the reference is float32 with the weights as stored: pin the mode --quantization auto would choose
-    return LLM(dtype="float32", quantization="none", device="cpu", max_model_len=512, policy="chunked",
-               max_num_batched_tokens=8)
+def gemma(default_llm):
+    return default_llm
 
 
 def test_tokenizer_matches_reference(gemma):

@@ -336,8 +336,8 @@ def test_http_structured_fields_and_refusals(state):
     run_app(state, scenario)
 
 
-def test_default_model_json_schema():
-    gemma = LLM(dtype="float32", quantization="none", device="cpu", max_model_len=256)
+def test_default_model_json_schema(default_llm):
+    gemma = default_llm
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                                "population": {"type": "integer", "minimum": 0, "maximum": 10**8},
                                                "capital": {"type": "boolean"}},
