@@ -224,6 +224,28 @@ def test_parse_gauges_prefers_tandem_names():
     assert parse_gauges(text) == {"running": 3.0, "kv_usage": 0.5}
 
 
+
+def test_parse_gauges_reads_one_label_of_a_family():
+    text = ('tandem:itl_sized_steps_total{limit="itl",model_name="a"} 7\n'
+            'tandem:itl_sized_steps_total{limit="overrun",model_name="a"} 2\n'
+            'tandem:itl_sized_steps_total{limit="itl",model_name="b"} 1\n'
+            'tandem:itl_target_seconds{model_name="a"} 0.25\n')
+    # summed over the series with that label, whatever their other labels; a limit not exported is absent
+    assert parse_gauges(text) == {"sized_itl": 8.0, "sized_overrun": 2.0, "itl_target": 0.25}
+
+
+def test_sizing_summary_counts_the_runs_steps_and_its_median_target():
+    from tandem.bench.summary import sizing_summary
+
+    samples = [(0.0, {"sized_itl": 5, "sized_ttft": 0, "sized_overrun": 1, "itl_target": 0.0}),
+               (1.0, {"sized_itl": 9, "sized_ttft": 2, "sized_overrun": 1, "itl_target": 0.2}),
+               (2.0, {"sized_itl": 12, "sized_ttft": 2, "sized_overrun": 4, "itl_target": 0.3}),
+               (3.0, {"sized_itl": 12, "sized_ttft": 2, "sized_overrun": 4, "itl_target": 0.4})]
+    assert sizing_summary(samples) == {"steps_sized_itl": 7, "steps_sized_ttft": 2, "steps_sized_overrun": 3,
+                                       "median_itl_target_ms": 300.0}
+    assert sizing_summary([(0.0, {"running": 1})]) == {}  # not tandem, or no target: nothing to say
+
+
 @pytest.fixture(scope="module")
 def tandem_server(tmp_path_factory):
     d = tmp_path_factory.mktemp("bench-model")
@@ -253,6 +275,7 @@ def test_end_to_end_against_tandem(tandem_server, tmp_path):
     assert summary["total_output_tokens"] == sum(r["output_tokens"] for r in map(
         json.loads, (out / "requests.jsonl").read_text().splitlines()))
     assert "server_metrics" in result and "running" in result["server_metrics"]
+    assert "itl_target" in result["server_metrics"]  # the default ITL target's gauge, scraped
     assert "<img src=\"data:image/png;base64," in (out / "report.html").read_text()
     assert Workload.load(tmp_path / "w.yaml").dataset == "mixed"
 
@@ -268,7 +291,7 @@ def test_sweep_and_inprocess(tandem_server, tmp_path):
     for name in ("sweep.json", "sweep.md", "sweep.png", "concurrency_1/result.json"):
         assert (out / name).is_file(), name
     from tandem.model_files import default_model_path
-    from tandem.config import EngineConfig
+    from tandem.config import EngineConfig, SchedulerConfig
     from tandem.weights.cache import converted_entry
 
     inproc = tmp_path / "inproc"
@@ -278,4 +301,9 @@ def test_sweep_and_inprocess(tandem_server, tmp_path):
                       tokenizer=str(converted_entry(default_model_path())))
     res = run_bench(cfg, EngineConfig.from_kwargs(model=str(model_dir), dtype="float32", num_kv_blocks=64))
     assert res["summary"]["completed"] == 5 and res["summary"]["total_output_tokens"] == 30
+    # the default ITL target sized every step with running streams (6 tokens each: 5 decode steps
+    # per request at least, two at a time), and the report says so
+    sized = sum(res["summary"].get(f"steps_sized_{limit}", 0) for limit in ("itl", "ttft", "overrun"))
+    assert sized >= 13 and res["summary"]["median_itl_target_ms"] >= SchedulerConfig().min_target_itl_ms
+    assert "steps_sized_itl" in (inproc / "summary.md").read_text()
     assert (inproc / "report.html").is_file()

@@ -19,7 +19,7 @@ from tandem.bench.config import BenchConfig
 from tandem.bench.progress import RunProgress
 from tandem.bench.report import save_figure, write_report
 from tandem.bench.replay import RunData, run_inprocess, run_openai
-from tandem.bench.summary import counter_delta, parse_goodput, per_class, per_user, summarize_run
+from tandem.bench.summary import counter_delta, parse_goodput, per_class, per_user, sizing_summary, summarize_run
 from tandem.bench.prompts import PlainTokenizer, build_requests
 from tandem.bench.scenarios import scenario_requests
 from tandem.bench.workload import ArrivalSpec, LengthDist, RequestClass, Workload
@@ -170,6 +170,7 @@ def run_once(cfg: BenchConfig, w: Workload, engine_config: EngineConfig | None, 
         queries, hits = (counter_delta(data.samples, k) for k in ("prefix_cache_queries", "prefix_cache_hits"))
         if queries:
             summary["prefix_cache_hit_rate"] = hits / queries
+    summary.update(sizing_summary(data.samples))
     users = per_user(data.results, data.duration, cfg.percentiles, cfg.metrics, slos)
     if users:
         meta["per_user"] = users

@@ -20,6 +20,7 @@ from tandem.bench.client import RequestResult, request_body, send
 from tandem.bench.workload import ArrivalSpec
 
 from tandem.bench.prompts import BenchRequest
+from tandem.core.step import SIZING_LIMITS
 
 # Gauges read from /metrics while a run goes; tandem's names first, then vLLM's, SGLang's and
 # llama-server's (the engine presets of tandem.bench.presets say which switch turns them on).
@@ -36,19 +37,28 @@ SCRAPED = {
     "recomputed_tokens": ("tandem:recomputed_tokens_total",),  # a counter: a run reads its delta
     "prefix_cache_queries": ("tandem:prefix_cache_queries_total", "vllm:prefix_cache_queries_total"),  # counters
     "prefix_cache_hits": ("tandem:prefix_cache_hits_total", "vllm:prefix_cache_hits_total"),
+    "itl_target": ("tandem:itl_target_seconds",),  # the ITL target the last step was sized to (0: none)
+    # counters of the steps sized under an ITL target, by what set their prompt work (one label)
+    **{f"sized_{limit}": (f'tandem:itl_sized_steps_total{{limit="{limit}"}}',) for limit in SIZING_LIMITS},
 }
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 def parse_gauges(text: str) -> dict[str, float]:
+    """The ``SCRAPED`` values of one /metrics page: each family summed over its series, and where a
+    name says one label (``name{label="value"}``), over the series with that label value."""
     totals: dict[str, float] = {}
     for line in text.splitlines():
         m = _LINE.match(line)
         if m:
             try:
-                totals[m.group(1)] = totals.get(m.group(1), 0.0) + float(m.group(3))
+                value = float(m.group(3))
             except ValueError:
                 continue
+            keys = [m.group(1)] + [f'{m.group(1)}{{{k}="{v}"}}' for k, v in _LABEL.findall(m.group(2) or "")]
+            for key in keys:
+                totals[key] = totals.get(key, 0.0) + value
     out = {}
     for key, names in SCRAPED.items():
         for name in names:
@@ -185,6 +195,9 @@ def run_inprocess(
     samples: list = []
     limit = arrival.max_concurrency or math.inf
     freed_at = 0.0  # when --max-concurrency last let a waiting request go
+    sized = dict.fromkeys(SIZING_LIMITS, 0)  # steps sized under an ITL target, as the server counts them
+    samples.append((0.0, {f"sized_{limit}": 0 for limit in sized}))  # the counters' start: deltas count every step
+    itl_target = 0.0  # as the server's gauge: the last step with running streams'
     while (nxt < len(order) or in_flight) and clock() < max_duration:
         while nxt < len(order) and offsets[order[nxt]] <= clock() and len(in_flight) < limit:
             i = order[nxt]
@@ -233,9 +246,14 @@ def run_inprocess(
                 progress(res)
         if engine.step_stats:
             s = engine.step_stats[-1]
+            if s.sizing is not None:
+                sized[s.sizing.limit] += 1
+            target = s.sizing.target_seconds if s.sizing is not None else 0.0 if s.num_decode_tokens else itl_target
+            itl_target = target
             samples.append((s.start + s.duration - clock0, {
                 "running": s.num_running, "waiting": s.num_waiting,
-                "kv_usage": s.kv_blocks_used / s.kv_blocks_total,
+                "kv_usage": s.kv_blocks_used / s.kv_blocks_total, "itl_target": target,
+                **{f"sized_{limit}": n for limit, n in sized.items()},
             }))
     for rid in list(in_flight):
         engine.abort_request(rid)

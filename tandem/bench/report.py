@@ -19,6 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from tandem.bench.client import RequestResult  # noqa: E402
 from tandem.bench.replay import RunData  # noqa: E402
+from tandem.core.step import SIZING_LIMITS  # noqa: E402
 from tandem.ops.modes import describe_paths  # noqa: E402
 
 PLOTS = ("latency_cdf.png", "throughput_queue.png", "token_timeline.png")
@@ -39,7 +40,8 @@ def _cdf(ax, values: list[float], label: str) -> None:
     ax.step(xs, ys, where="post", label=label)
 
 
-def plot_latency_cdf(results: list[RequestResult], path: Path) -> None:
+def plot_latency_cdf(results: list[RequestResult], path: Path, itl_target_ms: float | None = None) -> None:
+    """TTFT, ITL, TPOT and E2E CDFs; ``itl_target_ms``: the server's median ITL target, marked on ITL's."""
     ok = [r for r in results if r.success]
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
     series = [
@@ -56,6 +58,10 @@ def plot_latency_cdf(results: list[RequestResult], path: Path) -> None:
         ax.grid(alpha=0.3)
         if values and max(values) / max(min(values), 1e-9) > 50:
             ax.set_xscale("log")
+        if name == "ITL" and itl_target_ms:
+            ax.axvline(itl_target_ms, color="tab:red", linestyle="--", linewidth=1,
+                       label=f"ITL target {itl_target_ms:,.0f} ms (engine, median)")
+            ax.legend(loc="lower right", fontsize=8)
     save_figure(fig, path)
 
 
@@ -133,10 +139,10 @@ def markdown(summary: dict, classes: dict[str, dict], meta: dict) -> str:
     lines += ["| metric | value |", "|---|---|"]
     order = ["completed", "failed", "duration", "request_throughput", "output_throughput", "total_token_throughput",
              "request_goodput", "recomputed_tokens", "cached_prompt_tokens", "cached_prompt_fraction",
-             "prefix_cache_hit_rate"]
+             "prefix_cache_hit_rate", "steps_sized_itl", "steps_sized_ttft", "steps_sized_overrun"]
     units = {"duration": " s", "request_throughput": " req/s", "output_throughput": " tok/s",
              "total_token_throughput": " tok/s", "request_goodput": " req/s", "recomputed_tokens": " tokens",
-             "cached_prompt_tokens": " tokens"}
+             "cached_prompt_tokens": " tokens", **{f"steps_sized_{limit}": " steps" for limit in SIZING_LIMITS}}
     for k in order:
         if k in summary:
             lines.append(f"| {k} | {_fmt(summary[k])}{units.get(k, '')} |")
@@ -171,7 +177,7 @@ def write_report(result_dir: Path, data: RunData, summary: dict, classes: dict, 
     (result_dir / "requests.jsonl").write_text("\n".join(json.dumps(r.to_dict()) for r in data.results) + "\n")
     md = markdown(summary, classes, meta)
     (result_dir / "summary.md").write_text(md)
-    plot_latency_cdf(data.results, result_dir / PLOTS[0])
+    plot_latency_cdf(data.results, result_dir / PLOTS[0], summary.get("median_itl_target_ms"))
     plot_throughput_queue(data, result_dir / PLOTS[1])
     plot_token_timeline(data.results, result_dir / PLOTS[2])
     images = "".join(

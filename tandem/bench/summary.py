@@ -6,6 +6,7 @@ from collections import Counter
 from typing import Sequence
 
 from tandem.bench.client import RequestResult
+from tandem.core.step import SIZING_LIMITS
 from tandem.latency import summarize
 
 METRICS = ("ttft", "tpot", "itl", "e2el", "stall")
@@ -89,6 +90,19 @@ def counter_delta(samples: list[tuple[float, dict[str, float]]], key: str) -> fl
     when the server does not export it."""
     values = [g[key] for _, g in samples if key in g]
     return values[-1] - values[0] if values else None
+
+
+def sizing_summary(samples: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    """Under an ITL target (tandem only): the steps the run sized by what set their prompt work
+    (``itl``, ``ttft``, ``overrun``; counter deltas) and the median target T over its samples."""
+    out: dict[str, float] = {}
+    counts = {limit: counter_delta(samples, f"sized_{limit}") for limit in SIZING_LIMITS}
+    if any(counts.values()):
+        out.update({f"steps_sized_{limit}": n for limit, n in counts.items()})
+    targets = sorted(g["itl_target"] for _, g in samples if g.get("itl_target"))
+    if targets:
+        out["median_itl_target_ms"] = targets[len(targets) // 2] * 1000.0
+    return out
 
 
 def per_class(results: list[RequestResult], duration: float, percentiles: Sequence[float],

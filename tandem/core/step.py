@@ -75,6 +75,10 @@ class ScheduledChunk:
         return range(self.start, self.end)
 
 
+SIZING_LIMITS = ("itl", "ttft", "overrun")
+"""What may set a step's prompt work under an ITL target (``StepSizing.limit``)."""
+
+
 @dataclass(frozen=True)
 class StepSizing:
     """Why a step under an ITL target carried the prompt work it did (``target_budget.PrefillShare``)."""

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from tandem.core.engine import Engine
 from tandem.core.outputs import RequestOutput, StepStats
+from tandem.core.step import SIZING_LIMITS
 from tandem.core.step_time import TERMS
 from tandem.latency import tpot
 from tandem.server.user_metrics import UserMetrics
@@ -108,7 +109,7 @@ class ServerMetrics:
             "tandem:itl_sized_steps", "Steps sized under an ITL target, by what set their prompt work: itl (the "
             "share that keeps the predicted step within T), ttft (more, for a prompt's TTFT deadline), overrun "
             "(the whole token budget, under the overrun allowance).", [*m, "limit"], registry=r)
-        for limit in ("itl", "ttft", "overrun"):
+        for limit in SIZING_LIMITS:
             self.sized_steps.labels(model_name, limit)
         self.step_error = hist("step_time_prediction_error",
                                "|predicted - measured| / measured step time, per step.", _REL_ERROR)
