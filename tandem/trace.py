@@ -2,7 +2,7 @@
 
 Process "engine" has one track of steps, each labelled with its prefill/decode token mix (and,
 under an ITL target, the target T, the noise margin and what set its prompt work: ``itl``,
-``ttft`` or ``overrun``), and counter tracks for KV usage, queue lengths and the ITL target (T
+``ttft``, ``overrun`` or ``none``), and counter tracks for KV usage, queue lengths and the ITL target (T
 and the share of it prompt work was sized to). Process "requests" has one track per request,
 named by its request id (for the server, the ``cmpl-…``/``chatcmpl-…`` id the client sees, with
 ``-<choice>`` when one response has several): a "request" span from arrival to the end of its

@@ -292,6 +292,7 @@ def test_sweep_and_inprocess(tandem_server, tmp_path):
         assert (out / name).is_file(), name
     from tandem.model_files import default_model_path
     from tandem.config import EngineConfig, SchedulerConfig
+    from tandem.core.step import SIZING_LIMITS
     from tandem.weights.cache import converted_entry
 
     inproc = tmp_path / "inproc"
@@ -303,7 +304,7 @@ def test_sweep_and_inprocess(tandem_server, tmp_path):
     assert res["summary"]["completed"] == 5 and res["summary"]["total_output_tokens"] == 30
     # the default ITL target sized every step with running streams (6 tokens each: 5 decode steps
     # per request at least, two at a time), and the report says so
-    sized = sum(res["summary"].get(f"steps_sized_{limit}", 0) for limit in ("itl", "ttft", "overrun"))
+    sized = sum(res["summary"].get(f"steps_sized_{limit}", 0) for limit in SIZING_LIMITS)
     assert sized >= 13 and res["summary"]["median_itl_target_ms"] >= SchedulerConfig().min_target_itl_ms
     assert "steps_sized_itl" in (inproc / "summary.md").read_text()
     assert (inproc / "report.html").is_file()

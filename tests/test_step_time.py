@@ -131,15 +131,15 @@ def test_coefficients_and_errors_reach_metrics_and_trace(tmp_path):
     assert 'tandem:itl_target_margin{model_name="m"} 1.0' in text  # no step with prompt work measured: no margin
     steps = [e for e in trace.events if e.get("ph") == "X" and e["pid"] == 1]
     assert steps and all(e["args"]["predicted_ms"] == pytest.approx(e["dur"] / 1e3, abs=0.01) for e in steps)
-    # the default target sized the two decode steps: T and what set their prompt work, in both
+    # the default target applied to the two decode steps (no prompt to size in them): T and the limit, in both
     sized = [s for s in engine.step_stats if s.sizing is not None]
-    assert [s.num_decode_tokens for s in sized] == [1, 1] and all(s.sizing.limit == "itl" for s in sized)
+    assert [s.num_decode_tokens for s in sized] == [1, 1] and all(s.sizing.limit == "none" for s in sized)
     target = sized[-1].sizing.target_seconds
     assert target >= SchedulerConfig().min_target_itl_ms / 1e3
     assert f'tandem:itl_target_seconds{{model_name="m"}} {target!r}' in text
-    assert 'tandem:itl_sized_steps_total{limit="itl",model_name="m"} 2.0' in text
+    assert 'tandem:itl_sized_steps_total{limit="none",model_name="m"} 2.0' in text
     args = [e["args"] for e in steps if "itl_target_ms" in e["args"]]
-    assert len(args) == 2 and args[0]["prefill_limit"] == "itl" and args[0]["itl_margin"] == 1.0
+    assert len(args) == 2 and args[0]["prefill_limit"] == "none" and args[0]["itl_margin"] == 1.0
     counters = [e for e in trace.events if e.get("name") == "itl_target_ms"]
     assert len(counters) == 2 and counters[-1]["args"]["target"] == pytest.approx(target * 1e3, abs=1e-3)
 

@@ -139,7 +139,7 @@ def markdown(summary: dict, classes: dict[str, dict], meta: dict) -> str:
     lines += ["| metric | value |", "|---|---|"]
     order = ["completed", "failed", "duration", "request_throughput", "output_throughput", "total_token_throughput",
              "request_goodput", "recomputed_tokens", "cached_prompt_tokens", "cached_prompt_fraction",
-             "prefix_cache_hit_rate", "steps_sized_itl", "steps_sized_ttft", "steps_sized_overrun"]
+             "prefix_cache_hit_rate", *(f"steps_sized_{limit}" for limit in SIZING_LIMITS)]
     units = {"duration": " s", "request_throughput": " req/s", "output_throughput": " tok/s",
              "total_token_throughput": " tok/s", "request_goodput": " req/s", "recomputed_tokens": " tokens",
              "cached_prompt_tokens": " tokens", **{f"steps_sized_{limit}": " steps" for limit in SIZING_LIMITS}}

@@ -94,11 +94,11 @@ def counter_delta(samples: list[tuple[float, dict[str, float]]], key: str) -> fl
 
 def sizing_summary(samples: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
     """Under an ITL target (tandem only): the steps the run sized by what set their prompt work
-    (``itl``, ``ttft``, ``overrun``; counter deltas) and the median target T over its samples."""
+    (``itl``, ``ttft``, ``overrun``, ``none``; counter deltas) and the median target T over its samples."""
     out: dict[str, float] = {}
     counts = {limit: counter_delta(samples, f"sized_{limit}") for limit in SIZING_LIMITS}
     if any(counts.values()):
-        out.update({f"steps_sized_{limit}": n for limit, n in counts.items()})
+        out.update({f"steps_sized_{limit}": n for limit, n in counts.items() if n is not None})
     targets = sorted(g["itl_target"] for _, g in samples if g.get("itl_target"))
     if targets:
         out["median_itl_target_ms"] = targets[len(targets) // 2] * 1000.0

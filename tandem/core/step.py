@@ -75,7 +75,7 @@ class ScheduledChunk:
         return range(self.start, self.end)
 
 
-SIZING_LIMITS = ("itl", "ttft", "overrun")
+SIZING_LIMITS = ("itl", "ttft", "overrun", "none")
 """What may set a step's prompt work under an ITL target (``StepSizing.limit``)."""
 
 
@@ -92,10 +92,14 @@ class StepSizing:
     """The overrun allowance let the step take the whole token budget instead of its ITL share."""
     ttft_tokens: int = 0
     """Prompt tokens granted beyond the ITL share so that prompts meet their TTFT deadlines."""
+    prompts: bool = True
+    """A prompt asked for tokens in the step (False: only decodes to run, nothing to size)."""
 
     @property
     def limit(self) -> str:
-        """What set the prefill share: 'overrun', 'ttft' or 'itl'."""
+        """What set the prefill share: 'overrun', 'ttft', 'itl', or 'none' (no prompt asked for any)."""
+        if not self.prompts:
+            return "none"
         return "overrun" if self.overrun else "ttft" if self.ttft_tokens else "itl"
 
 

@@ -124,6 +124,8 @@ class PrefillShare:
         self.ttft_tokens = 0
         """Of ``granted``, the tokens beyond the ITL share that TTFT deadlines took."""
         self._ttft_pending = 0  # of the chunk ``size`` last returned, until it is taken
+        self.asked = False
+        """A prompt asked for tokens in this step (else there was no prompt work to size)."""
 
     @property
     def limited(self) -> bool:
@@ -137,6 +139,7 @@ class PrefillShare:
 
     def size(self, request: Request, want: int) -> int:
         """Tokens of ``request``'s next chunk, at most ``want`` (its token-budget chunk)."""
+        self.asked = self.asked or want > 0
         if want <= 0 or not self.limited:
             return max(want, 0)
         start = request.num_computed_tokens
@@ -155,7 +158,7 @@ class PrefillShare:
         """What sized this step's prompt work, for its ``StepStats`` (None: no target applied)."""
         if self.target is None:
             return None
-        return StepSizing(self.target, self.margin, self.overrun, self.ttft_tokens)
+        return StepSizing(self.target, self.margin, self.overrun, self.ttft_tokens, prompts=self.asked)
 
     def _fits(self, start: int, want: int) -> int:
         """The largest chunk at ``start`` that keeps the predicted step within the target (less the margin)."""
