@@ -26,7 +26,7 @@ import httpx
 from tandem.bench.launch import ServerProcess, free_port
 from tandem.bench.progress import RunProgress
 from tandem.bench.replay import RunData, run_openai
-from tandem.bench.summary import summarize_run
+from tandem.bench.summary import sizing_summary, summarize_run
 
 if TYPE_CHECKING:
     from peers import Level, Plan
@@ -49,7 +49,7 @@ class PeerResult:
 
 
 def level_row(level: Level, data: RunData) -> dict:
-    summary = summarize_run(data.results, data.duration, PERCENTILES)
+    summary = {**summarize_run(data.results, data.duration, PERCENTILES), **sizing_summary(data.samples)}
     ok = [r for r in data.results if r.success and r.prompt_tokens is not None]
     return {
         "concurrency": level.concurrency,
