@@ -142,7 +142,6 @@ def notes_lines(args, results: list[PeerResult]) -> list[str]:
         for row in res.levels:
             for note in row.get("notes") or []:
                 lines.append(f"- {res.peer} c={row['concurrency']}: {note}")
-        for row in res.levels:
             s = row.get("summary") or {}
             if "median_itl_target_ms" in s:
                 counts = ", ".join(f"{s[k]:.0f} {k[len('steps_sized_'):]}" for k in s if k.startswith("steps_sized_"))

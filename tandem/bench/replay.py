@@ -248,11 +248,10 @@ def run_inprocess(
             s = engine.step_stats[-1]
             if s.sizing is not None:
                 sized[s.sizing.limit] += 1
-            target = s.sizing.target_seconds if s.sizing is not None else 0.0 if s.num_decode_tokens else itl_target
-            itl_target = target
+            itl_target = s.sizing.target_seconds if s.sizing is not None else 0.0 if s.num_decode_tokens else itl_target
             samples.append((s.start + s.duration - clock0, {
                 "running": s.num_running, "waiting": s.num_waiting,
-                "kv_usage": s.kv_blocks_used / s.kv_blocks_total, "itl_target": target,
+                "kv_usage": s.kv_blocks_used / s.kv_blocks_total, "itl_target": itl_target,
                 **{f"sized_{limit}": n for limit, n in sized.items()},
             }))
     for rid in list(in_flight):

@@ -41,7 +41,7 @@ def _cdf(ax, values: list[float], label: str) -> None:
 
 
 def plot_latency_cdf(results: list[RequestResult], path: Path, itl_target_ms: float | None = None) -> None:
-    """TTFT, ITL, TPOT and E2E CDFs; ``itl_target_ms``: the server's median ITL target, marked on ITL's."""
+    """TTFT, ITL, TPOT and E2E CDFs; ``itl_target_ms``: the engine's median ITL target, marked on ITL's."""
     ok = [r for r in results if r.success]
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
     series = [
