@@ -7,7 +7,7 @@ from typing import Sequence
 
 from tandem.bench.client import RequestResult
 from tandem.core.step import SIZING_LIMITS
-from tandem.latency import summarize
+from tandem.latency import percentile, summarize
 
 METRICS = ("ttft", "tpot", "itl", "e2el", "stall")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
@@ -99,9 +99,9 @@ def sizing_summary(samples: list[tuple[float, dict[str, float]]]) -> dict[str, f
     counts = {limit: counter_delta(samples, f"sized_{limit}") for limit in SIZING_LIMITS}
     if any(counts.values()):
         out.update({f"steps_sized_{limit}": n for limit, n in counts.items() if n is not None})
-    targets = sorted(g["itl_target"] for _, g in samples if g.get("itl_target"))
+    targets = [g["itl_target"] for _, g in samples if g.get("itl_target")]
     if targets:
-        out["median_itl_target_ms"] = targets[len(targets) // 2] * 1000.0
+        out["median_itl_target_ms"] = percentile(targets, 50) * 1000.0
     return out
 
 
