@@ -155,6 +155,8 @@ def test_key_metrics_are_referenced(dashboard):
         "tandem:kv_cache_usage_perc",
         "tandem:step_tokens_sum",
         "tandem:step_duration_seconds_bucket",
+        "tandem:itl_sized_steps_total",
+        "tandem:itl_target_margin",
         "tandem:num_requests_running",
         "tandem:num_requests_waiting",
         "tandem:num_preemptions_total",
