@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tandem.cli_args import add_dataclass_args, add_engine_args, dataclass_from_args, engine_config_from_args
 from tandem.config import ServerConfig
+from tandem.startup import show_notices
 from tandem.core.sampling_params import CLI_DEFAULTS, TARGET_FIELDS, SamplingParams
 
 
@@ -272,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    show_notices()  # a first start's one-time work, shown at the default level
     try:
         if args.command == "generate":
             return _run_generate(args)

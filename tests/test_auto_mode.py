@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from tandem.models.auto_mode import AccuracyBudget, choose_quantization, eligible_modes
 from tandem.ops.dispatch import select_ops
 from tandem.runner import mode_timing
+from tandem.startup import STARTUP_LOGGER
 from tiny_models import hf_config
 
 GOOD = {"kl_mean": 0.005, "top1_agreement": 0.96, "ppl_change_pct": 0.1, "command": "x", "date": "d"}
@@ -62,19 +64,27 @@ def acc(tmp_path):
     return _accuracy(tmp_path, int8=GOOD, w8a8=GOOD)
 
 
-def test_auto_picks_the_fastest_eligible_mode_and_caches_it(tmp_path, monkeypatch, acc):
+def test_auto_picks_the_fastest_eligible_mode_and_caches_it(tmp_path, monkeypatch, acc, caplog):
     calls = _fake_times(monkeypatch, {"none": 1.0, "int8": 0.8, "w8a8": 0.5})
     ops = select_ops("cpu", torch.float32)
-    choice = choose_quantization(_spec(), torch.device("cpu"), torch.bfloat16, ops, "default.gguf", tmp_path,
-                                 _timer(), acc)
+    with caplog.at_level(logging.INFO, logger=STARTUP_LOGGER):
+        choice = choose_quantization(_spec(), torch.device("cpu"), torch.bfloat16, ops, "default.gguf", tmp_path,
+                                     _timer(), acc)
+    # the one-time timing says so, start and end, on the start-up notices' logger
+    notices = [r.getMessage() for r in caplog.records if r.name == STARTUP_LOGGER]
+    assert len(notices) == 2 and "timing none, int8, w8a8" in notices[0] and str(tmp_path) in notices[0]
+    assert notices[1].endswith(" s") and "done in" in notices[1]
+    caplog.clear()
     assert choice.quantization == "w8a8" and not choice.cached
     assert "w8a8 0.50" in choice.reason and set(choice.seconds) == {"none", "int8", "w8a8"}
     assert sorted(calls) == sorted(["int8", "none", "w8a8"] * mode_timing.ROUNDS)
     # the rounds take the modes in turn, forwards then backwards
     assert calls[:6] == ["none", "int8", "w8a8", "w8a8", "int8", "none"]
-    again = choose_quantization(_spec(), torch.device("cpu"), torch.bfloat16, ops, "default.gguf", tmp_path,
-                                _timer(), acc)
+    with caplog.at_level(logging.INFO, logger=STARTUP_LOGGER):
+        again = choose_quantization(_spec(), torch.device("cpu"), torch.bfloat16, ops, "default.gguf", tmp_path,
+                                    _timer(), acc)
     assert again.cached and again.quantization == "w8a8" and len(calls) == 3 * mode_timing.ROUNDS  # not measured twice
+    assert not [r for r in caplog.records if r.name == STARTUP_LOGGER]  # a cached choice is no news
 
 
 def test_a_slow_spell_in_one_round_does_not_decide(tmp_path, monkeypatch, acc):

@@ -30,6 +30,7 @@ import torch
 
 from tandem.kernels.cpu_features import cpu_info
 from tandem.paths import default_cache_dir
+from tandem.startup import one_time
 
 log = logging.getLogger("tandem.kernels")
 SOURCES = tuple(
@@ -106,7 +107,8 @@ def build(sources: Path | tuple[Path, ...] = SOURCES, out_dir: Path | None = Non
     out_dir.mkdir(parents=True, exist_ok=True)
     # Compile to a temporary name and rename, so a concurrent or interrupted build never leaves
     # a half-written library behind.
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp, \
+            one_time(f"compiling the {isa.name} kernels", f"once per CPU kind and source: cached in {out_dir}"):
         partial = Path(tmp) / lib.name
         done = subprocess.run([cc, *flags, *map(str, sources), "-o", str(partial)], capture_output=True, text=True)
         if done.returncode != 0:

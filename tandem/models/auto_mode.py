@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,8 +32,8 @@ import torch
 from tandem.kernels.cpu_features import cpu_info
 from tandem.models.spec import ModelSpec
 from tandem.ops.dispatch import OpTable
+from tandem.startup import one_time
 
-log = logging.getLogger("tandem.auto")
 
 ACCURACY_FILE = Path(__file__).with_name("quant_accuracy.json")
 
@@ -130,10 +129,10 @@ def choose_quantization(spec: ModelSpec, device: torch.device, dtype: torch.dtyp
             return choice
         except (ValueError, TypeError):
             pass  # unreadable: measure again
-    log.info("quantization auto: timing %s on this machine (once: the choice is cached%s)", ", ".join(modes),
-             f" in {path.parent}" if path is not None else "")
     t0 = time.perf_counter()
-    seconds = timer(modes)
+    with one_time(f"quantization auto: timing {', '.join(modes)} on this machine",
+                  "once: the choice is cached" + (f" in {path.parent}" if path is not None else "")):
+        seconds = timer(modes)
     base = seconds["none"]
     score = {m: math.exp(sum(math.log(s[r] / base[r]) for r in s) / len(s)) for m, s in seconds.items()}
     best = min(score, key=score.get)

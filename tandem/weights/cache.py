@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from tandem.models.spec import ModelSpec
 from tandem.paths import default_cache_dir
+from tandem.startup import one_time
 from tandem.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -68,10 +69,10 @@ def converted_entry(source: Path, cache_dir: Path | None = None) -> Path:
         log.warning("cached conversion at %s is incomplete or corrupted; rebuilding it", entry)
         shutil.rmtree(entry, ignore_errors=True)
     root.mkdir(parents=True, exist_ok=True)
-    log.info("converting %s (once; later starts load the cached copy)", source)
     tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
     try:
-        _convert(source, tmp)
+        with one_time(f"converting {source.name} into {root}", "once per file: later starts load the converted copy"):
+            _convert(source, tmp)
         try:
             tmp.rename(entry)
         except OSError:  # another process finished first
