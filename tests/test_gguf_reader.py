@@ -1,0 +1,54 @@
+"""The GGUF reader the conversion uses (``gguf_file.open_gguf``): gguf's own reader over a plain
+ndarray view of the file's memory map, which must read exactly what the stock reader reads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+from tandem.weights.gguf_file import open_gguf  # noqa: E402
+
+
+def _write(path, n_vocab: int = 3000):
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_token_list([f"tok{i}" for i in range(n_vocab)])
+    w.add_token_scores([float(i) / 7 for i in range(n_vocab)])
+    w.add_token_types([1 + i % 3 for i in range(n_vocab)])
+    w.add_string("general.name", "tiny")
+    w.add_tensor("token_embd.weight", rng.standard_normal((16, 32), dtype=np.float32))
+    w.add_tensor("blk.0.attn_q.weight", rng.standard_normal((32, 32)).astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_reads_what_the_stock_reader_reads(tmp_path):
+    path = _write(tmp_path / "tiny.gguf")
+    fast, stock = open_gguf(path), gguf.GGUFReader(str(path))
+    assert list(fast.fields) == list(stock.fields)
+    for name, field in stock.fields.items():
+        mine = fast.fields[name]
+        assert (mine.types, mine.data, mine.offset) == (field.types, field.data, field.offset), name
+        assert len(mine.parts) == len(field.parts) and all(
+            np.array_equal(a, b) for a, b in zip(mine.parts, field.parts)), name
+    assert [(t.name, t.tensor_type, list(t.shape)) for t in fast.tensors] == \
+        [(t.name, t.tensor_type, list(t.shape)) for t in stock.tensors]
+    for mine, theirs in zip(fast.tensors, stock.tensors):
+        assert np.array_equal(mine.data, theirs.data)
+        # no memmap left to run numpy's Python-level slicing hooks
+        assert type(mine.data) is np.ndarray and type(fast.data) is np.ndarray
+    tokens = fast.fields["tokenizer.ggml.tokens"]
+    assert bytes(tokens.parts[tokens.data[-1]]).decode() == "tok2999"
+
+
+def test_a_file_that_is_not_gguf_is_a_clear_error(tmp_path):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGUF but not really")
+    with pytest.raises(ValueError, match="is not a readable GGUF file"):
+        open_gguf(junk)
