@@ -54,8 +54,7 @@ def slower(profile, slowdown: float):
             return cost
         if not isinstance(cost, StepCost):
             raise SystemExit("--slowdowns: needs a measured profile (its step cost a formula)")
-        return StepCost(**{k: v * slowdown for k, v in dataclasses.asdict(cost).items() if k != "knee"},
-                        knee=cost.knee)
+        return StepCost(*(v * slowdown for v in cost.vector()), knee=cost.knee)
     return dataclasses.replace(profile, cost=scale(profile.cost), overhead=scale(profile.overhead))
 
 

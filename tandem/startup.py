@@ -8,19 +8,28 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator
 
 STARTUP_LOGGER = "tandem.startup"
 log = logging.getLogger(STARTUP_LOGGER)
 
 
+@dataclass
+class Took:
+    seconds: float = 0.0
+    """How long the work took, once it is done."""
+
+
 @contextmanager
-def one_time(what: str, why: str) -> Iterator[None]:
-    """Say that ``what`` starts (and ``why`` it runs only once), then how long it took."""
+def one_time(what: str, why: str) -> Iterator[Took]:
+    """Say that ``what`` starts (and ``why`` it runs only once), then how long it took (also in the
+    ``Took`` it yields, for a caller that reports it too)."""
     log.info("%s (%s) ...", what, why)
-    t0 = time.perf_counter()
-    yield
-    log.info("%s: done in %.1f s", what, time.perf_counter() - t0)
+    took, t0 = Took(), time.perf_counter()
+    yield took
+    took.seconds = time.perf_counter() - t0
+    log.info("%s: done in %.1f s", what, took.seconds)
 
 
 def show_notices() -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -129,16 +128,15 @@ def choose_quantization(spec: ModelSpec, device: torch.device, dtype: torch.dtyp
             return choice
         except (ValueError, TypeError):
             pass  # unreadable: measure again
-    t0 = time.perf_counter()
     with one_time(f"quantization auto: timing {', '.join(modes)} on this machine",
-                  "once: the choice is cached" + (f" in {path.parent}" if path is not None else "")):
+                  "once: the choice is cached" + (f" in {path.parent}" if path is not None else "")) as took:
         seconds = timer(modes)
     base = seconds["none"]
     score = {m: math.exp(sum(math.log(s[r] / base[r]) for r in s) / len(s)) for m, s in seconds.items()}
     best = min(score, key=score.get)
     reason = (f"fastest of {', '.join(modes)} on this machine (step time relative to unquantized, geometric "
               f"mean over {', '.join(timer.steps)}: " + ", ".join(f"{m} {score[m]:.2f}" for m in modes)
-              + f"; measured in {time.perf_counter() - t0:.1f} s)")
+              + f"; measured in {took.seconds:.1f} s)")
     choice = AutoChoice(best, reason, eligible, seconds)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ norm weights are stored with the +1 already added.
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import Any, Iterator
@@ -39,6 +40,7 @@ _LAYER_NAMES = {
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
+@functools.cache
 def _plain_reader():
     import gguf
 
@@ -46,8 +48,8 @@ def _plain_reader():
         """``gguf.GGUFReader`` over a plain ndarray view of its memory map. numpy's memmap subclass
         runs Python code on every slice, and the reader slices the file a few times per metadata
         element: for a 262k-token vocabulary that is about 4 million slices, two thirds of the
-        reader's time (16.4 s against 5.7 s for the default model here). The fields and tensors it
-        reads are the same; the view keeps the map alive."""
+        reader's time (opening the default model: 16.4 s against 5.7 s on a 2-core AMD EPYC Zen 3,
+        2026-12-07). The fields and tensors it reads are the same; the view keeps the map alive."""
 
         @property
         def data(self):
