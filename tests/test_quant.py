@@ -39,6 +39,25 @@ def test_quantize_rows_error_is_half_a_step():
     assert torch.all(dequantized(q, s)[5] == 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_rows_in_slices_equals_the_whole_matrix_at_once(dtype, monkeypatch):
+    """Rows quantized a slice at a time (``QUANTIZE_ELEMENTS``; here 3 rows and a short last slice)
+    round exactly as one pass over the whole matrix, and the float weight is left as it was."""
+    import tandem.models.quant as quant
+
+    torch.manual_seed(1)
+    w = (torch.randn(11, 70) * torch.logspace(-3, 1, 11)[:, None]).to(dtype)
+    w[4] = 0.0
+    before = w.clone()
+    monkeypatch.setattr(quant, "QUANTIZE_ELEMENTS", 3 * 70 + 5)
+    q, s = quantize_rows(w)
+    whole = w.float()
+    want_s = whole.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    want_q = torch.round(whole / want_s[:, None]).clamp(-127, 127).to(torch.int8)
+    assert torch.equal(q, want_q) and torch.equal(s, want_s)
+    assert torch.equal(w, before)
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 32])
 @pytest.mark.parametrize("kind, n, k", [("int8", 7, 20), ("int8", 64, 64), ("int8", 130, 200),
                                         ("w8a8", 7, 32), ("w8a8", 64, 64), ("w8a8", 130, 224)])

