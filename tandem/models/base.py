@@ -19,7 +19,11 @@ class CausalLM(nn.Module):
         self.spec = spec
         self.ops = ops
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # ``_weight``: no initial draw, which ``instantiate``'s meta device would route through
+        # torch._refs and the import of torch._dynamo (about 3 s of every start; the checkpoint or
+        # ``randomize`` fills the table anyway)
+        self.model.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size,
+                                               _weight=torch.empty(spec.vocab_size, spec.hidden_size))
         self.model.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, unit_offset=bool(spec.norm_unit_offset), ops=ops)
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim, max_positions)
         self.decode_layers = None
