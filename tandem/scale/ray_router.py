@@ -8,6 +8,11 @@ the ingress), and asks ``choose_replicas`` for ranked candidates per request. Th
 (``on_request_routed``, ``on_request_completed``, ``on_replica_actor_died``) keep the router's own
 record. Each candidate is returned in a rank of its own, so Ray's queue-length check only says
 whether a replica takes requests at all (``max_ongoing_requests``), never which one is preferred.
+That check probes a replica Ray has no recent queue length for, and takes the next rank when the
+probe misses its deadline (0.1 s at first): on a busy host the preferred, idle replica would then
+lose its requests to a busier one. So a candidate missing from Ray's queue-length cache is entered
+with the router's own count of requests it has in flight (what Ray's cache counts for the requests
+it sends); a replica that is full after all rejects the request and Ray routes it again.
 
 Ray pickles this module by value, so it keeps no state of its own: the routers and their counters
 live in ``router_directory.py``, where the ingress finds them.
@@ -50,9 +55,18 @@ class TandemRequestRouter(RequestRouter):
             self._refresh(candidate_replicas)
             route = arg.route if isinstance(arg, Forwarded) and arg.route is not None else None
             decision = self.core.choose(route or _NO_ROUTE, list(by_name))
+            self._seed_queue_lengths([by_name[n] for n in decision.ranked])
             if pending_request is not None and route is not None:
                 self._record(pending_request.metadata.internal_request_id, route, decision)
         return [[by_name[n]] for n in decision.ranked]
+
+    def _seed_queue_lengths(self, replicas: list[RunningReplica]) -> None:
+        """Ray's queue-length cache gets this router's in-flight count for each of ``replicas`` it
+        holds nothing (recent) for, so no probe stands between a rank and its replica."""
+        cache = self.replica_queue_len_cache
+        for r in replicas:
+            if cache.get(r.replica_id) is None:
+                cache.update(r.replica_id, self.core.in_flight(r.replica_id.unique_id))
 
     def _record(self, internal: str, route: RouteRequest, decision) -> None:
         """The choice counts against its replica from now on (Ray tells a router which replica took
