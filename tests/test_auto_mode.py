@@ -184,3 +184,36 @@ def test_a_new_timing_design_measures_again(tmp_path, monkeypatch, acc):
     other.facts = dict(other.facts, measure="linear layers")
     again = choose_quantization(_spec(), torch.device("cpu"), torch.bfloat16, ops, "default.gguf", tmp_path, other, acc)
     assert not again.cached and len(calls) == 2 * 3 * mode_timing.ROUNDS
+
+
+def test_close_modes_are_timed_again_until_one_leads(tmp_path, monkeypatch, acc):
+    """int8 and w8a8 level after the first rounds (w8a8 slowed by a busy spell) are timed again,
+    the two of them only, and the rounds stop once w8a8 leads by more than ``CLOSE``."""
+    from tandem.models.auto_mode import CLOSE
+
+    calls = []
+
+    def fake(mode, first):
+        calls.append(mode)
+        ratio = {"none": 1.0, "int8": 0.62}.get(mode)
+        if mode == "w8a8":  # the busy spell covers its first ROUNDS timings and the next one
+            ratio = 0.6 if calls.count("w8a8") <= mode_timing.ROUNDS + 1 else 0.45
+        return {step: 0.01 * ratio for step in mode_timing.STEPS}
+
+    monkeypatch.setattr(mode_timing, "candidate", lambda mode, spec, dtype, ops: mode)
+    monkeypatch.setattr(mode_timing, "time_mode", fake)
+    assert 0.62 <= 0.6 * (1 + CLOSE) and 0.62 > 0.45 * (1 + CLOSE)
+    choice = choose_quantization(_spec(), torch.device("cpu"), torch.bfloat16, select_ops("cpu", torch.float32),
+                                 "default.gguf", tmp_path, _timer(), acc)
+    assert choice.quantization == "w8a8" and "w8a8 0.45" in choice.reason
+    extra = calls[3 * mode_timing.ROUNDS:]
+    assert sorted(extra) == ["int8", "int8", "w8a8", "w8a8"]  # two more rounds, unquantized not among them
+
+
+def test_a_true_tie_stops_after_the_extra_rounds(tmp_path, monkeypatch, acc):
+    calls = _fake_times(monkeypatch, {"none": 1.0, "int8": 0.5, "w8a8": 0.5})
+    choice = choose_quantization(_spec(), torch.device("cpu"), torch.bfloat16, select_ops("cpu", torch.float32),
+                                 "default.gguf", tmp_path, _timer(), acc)
+    assert choice.quantization in ("int8", "w8a8")
+    assert len(calls) == 3 * mode_timing.ROUNDS + 2 * mode_timing.EXTRA_ROUNDS
+    assert "none" not in calls[3 * mode_timing.ROUNDS:]

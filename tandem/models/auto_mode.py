@@ -10,7 +10,9 @@ Two facts decide, one measured offline and one measured here:
 - **Speed**, on this machine: whole forward passes of the model in each eligible mode (a decode
   step of one sequence, one of 16, a prompt chunk), timed by a ``ModeTimer``
   (``tandem.runner.mode_timing.StepTimer``, which says how). The mode with the lowest geometric
-  mean of its step times relative to unquantized wins. The result is cached per machine, kernel
+  mean of its step times relative to unquantized wins. Modes that come within ``CLOSE`` of the
+  best are timed again (``undecided``), since the choice is kept: on a shared machine a few
+  busy seconds once made two modes 1.2x apart look level. The result is cached per machine, kernel
   variant, torch version, thread count, model shape and timing design, so later starts reuse it.
 
 Quantized modes run float32 activations (the int8 kernels take float32 inputs), so when
@@ -24,7 +26,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -48,6 +50,22 @@ class AccuracyBudget:
 ACCURACY_BUDGET = AccuracyBudget()
 QUANTIZED = ("int8", "w8a8", "int4")
 """The quantized modes auto may pick (each needs an entry in the accuracy file)."""
+CLOSE = 0.1
+"""Modes whose scores are within this share of the best one's are ``undecided``: timed again."""
+
+
+def scores(seconds: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Mode -> the geometric mean over steps of its time relative to unquantized ('none')."""
+    base = seconds["none"]
+    return {m: math.exp(sum(math.log(s[r] / base[r]) for r in s) / len(s)) for m, s in seconds.items()}
+
+
+def undecided(seconds: dict[str, dict[str, float]]) -> list[str]:
+    """The modes within ``CLOSE`` of the best score when there are two or more, else none."""
+    score = scores(seconds)
+    best = min(score.values())
+    close = [m for m, v in score.items() if v <= best * (1.0 + CLOSE)]
+    return close if len(close) > 1 else []
 
 
 class ModeTimer(Protocol):
@@ -58,8 +76,11 @@ class ModeTimer(Protocol):
     facts: dict
     """What the timings depend on besides the machine and the model (part of the cache key)."""
 
-    def __call__(self, modes: list[str]) -> dict[str, dict[str, float]]:
-        """Mode -> step -> seconds."""
+    def __call__(self, modes: list[str],
+                 undecided: Callable[[dict[str, dict[str, float]]], list[str]] | None = None
+                 ) -> dict[str, dict[str, float]]:
+        """Mode -> step -> seconds (the least over its rounds); after the base rounds, ``undecided``
+        names, from the times so far, the modes to time in another round (none: stop)."""
 
 
 @dataclass
@@ -130,9 +151,8 @@ def choose_quantization(spec: ModelSpec, device: torch.device, dtype: torch.dtyp
             pass  # unreadable: measure again
     with one_time(f"quantization auto: timing {', '.join(modes)} on this machine",
                   "once: the choice is cached" + (f" in {path.parent}" if path is not None else "")) as took:
-        seconds = timer(modes)
-    base = seconds["none"]
-    score = {m: math.exp(sum(math.log(s[r] / base[r]) for r in s) / len(s)) for m, s in seconds.items()}
+        seconds = timer(modes, undecided)
+    score = scores(seconds)
     best = min(score, key=score.get)
     reason = (f"fastest of {', '.join(modes)} on this machine (step time relative to unquantized, geometric "
               f"mean over {', '.join(timer.steps)}: " + ", ".join(f"{m} {score[m]:.2f}" for m in modes)

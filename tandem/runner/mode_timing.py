@@ -28,6 +28,8 @@ STEPS = {"decode 1": [(CONTEXT, 1)], "decode 16": [(CONTEXT, 1)] * 16, "prompt 2
 """The timed steps: (start position, tokens) per sequence."""
 ROUNDS = 3
 """Rounds of timing, the modes taken in turn in each (``StepTimer.__call__``)."""
+EXTRA_ROUNDS = 4
+"""At most this many rounds after the base ones, for the modes still in contention."""
 BLOCK_SIZE = 16
 
 
@@ -55,20 +57,25 @@ class StepTimer:
     quantized modes on ``ops`` (float32), the unquantized one in ``dtype`` on ``none_ops``."""
 
     steps = tuple(STEPS)
-    facts = {"steps": STEPS, "rounds": ROUNDS, "measure": "whole steps"}
+    facts = {"steps": STEPS, "rounds": ROUNDS, "extra_rounds": EXTRA_ROUNDS, "measure": "whole steps"}
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, ops: OpTable, none_ops: OpTable | None = None) -> None:
         self.spec, self.dtype, self.ops, self.none_ops = spec, dtype, ops, none_ops or ops
 
-    def __call__(self, modes: list[str]) -> dict[str, dict[str, float]]:
+    def __call__(self, modes: list[str], undecided=None) -> dict[str, dict[str, float]]:
         """Each mode's times, the least of ``ROUNDS`` rounds that take the modes in turn
         (forwards, then backwards): on a shared machine a slow spell of a few seconds would
         otherwise land on one mode only and decide against it (seen: w8a8 timed slower than
-        int8 in one pass, and int8 chosen)."""
+        int8 in one pass, and int8 chosen). Then up to ``EXTRA_ROUNDS`` more, each over the
+        modes ``undecided`` names from the least times so far, while it names any."""
         runners = {m: candidate(m, self.spec, self.dtype, self.none_ops if m == "none" else self.ops) for m in modes}
         best: dict[str, dict[str, float]] = {}
-        for r in range(ROUNDS):
-            for mode in modes if r % 2 == 0 else modes[::-1]:
+        todo, r = list(modes), 0
+        while todo and r < ROUNDS + EXTRA_ROUNDS:
+            for mode in todo if r % 2 == 0 else todo[::-1]:
                 got = time_mode(runners[mode], first=r == 0)
                 best[mode] = got if mode not in best else {k: min(v, got[k]) for k, v in best[mode].items()}
+            r += 1
+            if r >= ROUNDS:
+                todo = undecided(best) if undecided is not None else []
         return best
