@@ -19,6 +19,10 @@ def _write(path, n_vocab: int = 3000):
     w.add_token_scores([float(i) / 7 for i in range(n_vocab)])
     w.add_token_types([1 + i % 3 for i in range(n_vocab)])
     w.add_string("general.name", "tiny")
+    w.add_array("test.empty", [])
+    w.add_array("test.ints", [3, -1, 7])
+    w.add_array("test.words", ["", "ä", "longer words"])
+    w.add_array("test.nested", [[1, 2], [3]])
     w.add_tensor("token_embd.weight", rng.standard_normal((16, 32), dtype=np.float32))
     w.add_tensor("blk.0.attn_q.weight", rng.standard_normal((32, 32)).astype(np.float16))
     w.write_header_to_file()
@@ -36,7 +40,8 @@ def test_reads_what_the_stock_reader_reads(tmp_path):
         mine = fast.fields[name]
         assert (mine.types, mine.data, mine.offset) == (field.types, field.data, field.offset), name
         assert len(mine.parts) == len(field.parts) and all(
-            np.array_equal(a, b) for a, b in zip(mine.parts, field.parts)), name
+            np.array_equal(a, b) and a.dtype == b.dtype and a.shape == b.shape
+            for a, b in zip(mine.parts, field.parts)), name
     assert [(t.name, t.tensor_type, list(t.shape)) for t in fast.tensors] == \
         [(t.name, t.tensor_type, list(t.shape)) for t in stock.tensors]
     for mine, theirs in zip(fast.tensors, stock.tensors):
