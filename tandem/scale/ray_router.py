@@ -63,7 +63,9 @@ class TandemRequestRouter(RequestRouter):
     def _seed_queue_lengths(self, replicas: list[RunningReplica]) -> None:
         """Ray's queue-length cache gets this router's in-flight count for each of ``replicas`` it
         holds nothing (recent) for, so no probe stands between a rank and its replica."""
-        cache = self.replica_queue_len_cache
+        cache = getattr(self, "replica_queue_len_cache", None)  # RequestRouter's (Ray 2.60 has it)
+        if cache is None:
+            return
         for r in replicas:
             if cache.get(r.replica_id) is None:
                 cache.update(r.replica_id, self.core.in_flight(r.replica_id.unique_id))
