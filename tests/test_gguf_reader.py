@@ -57,3 +57,24 @@ def test_a_file_that_is_not_gguf_is_a_clear_error(tmp_path):
     junk.write_bytes(b"GGUF but not really")
     with pytest.raises(ValueError, match="is not a readable GGUF file"):
         open_gguf(junk)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q4_K", "Q6_K", "Q4_0"])
+def test_dequantizing_in_slices_gives_the_librarys_bits(qtype, monkeypatch):
+    """``_dequantize`` (the type's row dequantizer over slices of rows) returns exactly what
+    ``gguf.quants.dequantize`` does, also where a slice ends inside the tensor and for more than
+    two dimensions. The bytes are random: scales that read as inf or NaN must come out the same too."""
+    from gguf.quants import dequantize
+
+    from tandem.weights import gguf_file
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    raw = np.random.default_rng(1).integers(0, 256, (3, 37, 2 * size), dtype=np.uint8)
+    monkeypatch.setattr(gguf_file, "DEQUANTIZE_ELEMENTS", 5 * 2 * block)  # 5 rows a slice: 111 rows end mid-slice
+    with np.errstate(all="ignore"):  # NaN scales times values
+        want = dequantize(raw, kind)
+        got = gguf_file._dequantize(raw, kind)
+    assert want.shape == (3, 37, 2 * block)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -181,9 +181,34 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+DEQUANTIZE_ELEMENTS = 1 << 18
+"""Values per call of a quantized type's row dequantizer: ``gguf.quants.dequantize`` takes rows 16
+at a time, a Python call each: for the default model's file 2.9 s on an AMD EPYC Zen 3 (2.0 s of it
+the 262,144-row embedding), against 1.1 s in slices of 2^18 values (2^16 and 2^20 about the same,
+2^22 slower), bit-identical."""
+
+
+def _dequantize(data: np.ndarray, qtype) -> np.ndarray:
+    """``gguf.quants.dequantize(data, qtype)``, the same values, through the type's own row
+    dequantizer over slices of ``DEQUANTIZE_ELEMENTS`` values (its one-time tables set up first)."""
+    import gguf.quants
+
+    kind = getattr(gguf.quants, qtype.name, None)
+    if kind is None or not hasattr(kind, "dequantize_rows"):
+        return gguf.quants.dequantize(data, qtype)
+    kind.init_grid()
+    rows = data.reshape(-1, data.shape[-1])
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    width = rows.shape[-1] // size * block
+    out = np.empty((rows.shape[0], width), dtype=np.float32)
+    step = max(1, DEQUANTIZE_ELEMENTS // width)
+    for i in range(0, rows.shape[0], step):
+        out[i:i + step] = kind.dequantize_rows(rows[i:i + step])
+    return out.reshape(*data.shape[:-1], width)
+
+
 def iter_gguf_weights(reader, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
 
     for t in reader.tensors:
         shape = tuple(int(d) for d in reversed(t.shape))
@@ -193,7 +218,7 @@ def iter_gguf_weights(reader, spec: ModelSpec) -> Iterator[tuple[str, torch.Tens
             raw = np.asarray(t.data).view(np.uint16).astype(np.uint32) << 16
             data = raw.view(np.float32).reshape(shape)
         else:
-            data = dequantize(t.data, t.tensor_type).reshape(shape)
+            data = _dequantize(t.data, t.tensor_type).reshape(shape)
         name = _hf_name(t.name, spec.family)
         if spec.family == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             data = _unpermute(data, spec.num_heads)
