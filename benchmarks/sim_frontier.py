@@ -6,6 +6,9 @@ this machine (`tandem calibrate`); every tandem and llama-server point of the pe
 directories given with ``--measured`` is drawn beside the simulated line (tandem's labelled by the
 factor its /config reports). So one can read off, in seconds, which factor would put tandem's
 TTFT p99 and ITL p99 both at or below a peer's point, and check the simulator against the runs.
+``--policies`` adds a point per other scheduling policy (``prefill-first``, ``static``), each with
+every other setting at its default, on every line: where another policy lands against the
+chunked policy's line at the same load.
 
 ``--slowdowns`` adds lines for a host that runs slower than when tandem started: every step costs
 that many times the profile's while the start-up estimate, which prices the default target T,
@@ -40,7 +43,7 @@ from tandem.bench.replay import run_inprocess  # noqa: E402
 from tandem.bench.simulate import SimEvaluator  # noqa: E402
 from tandem.bench.summary import summarize_run  # noqa: E402
 from tandem.bench.workload import ArrivalSpec  # noqa: E402
-from tandem.config import SchedulerConfig  # noqa: E402
+from tandem.config import POLICIES, SchedulerConfig  # noqa: E402
 from tandem.core.step_time import StepCost  # noqa: E402
 from tandem.sim.profile import describe, load_profile  # noqa: E402
 
@@ -58,17 +61,27 @@ def slower(profile, slowdown: float):
     return dataclasses.replace(profile, cost=scale(profile.cost), overhead=scale(profile.overhead))
 
 
-def simulate(evaluator: SimEvaluator, factor: float, slowdown: float, args: argparse.Namespace) -> dict:
+def simulate(evaluator: SimEvaluator, factor: float | None, slowdown: float, args: argparse.Namespace,
+             policy: str = "chunked") -> dict:
+    """One simulated run: the chunked policy at ITL target factor ``factor``, or ``policy`` with
+    its defaults (``factor`` None)."""
     reqs = requests(args.requests, args.input_len, args.output_len, evaluator.profile.vocab_size, args.seed)
-    engine = evaluator.engine({"itl_target_factor": factor})
+    engine = evaluator.engine({"itl_target_factor": factor} if factor is not None else {"policy": policy})
     data = run_inprocess(engine, reqs, [0.0] * len(reqs), ArrivalSpec(max_concurrency=args.concurrency), True, 1e6)
     s = summarize_run(data.results, data.duration, [50, 99], ("ttft", "itl"))
-    return {"itl_target_factor": factor, "slowdown": slowdown, "completed": s["completed"], **{k: s[k] for k in FIGURES}}
+    return {"policy": policy, "itl_target_factor": factor, "slowdown": slowdown, "completed": s["completed"],
+            **{k: s[k] for k in FIGURES}}
+
+
+def label(p: dict) -> str:
+    """A simulated point's name: its factor on the chunked line, else its policy."""
+    return f"{p['itl_target_factor']:g}" if p["itl_target_factor"] is not None else p["policy"]
 
 
 def measured_points(dirs: list[str], concurrency: int) -> list[dict]:
     """Each peer's point at ``concurrency`` in each peers.py result directory (tandem's with the
-    ITL target factor its /config reports)."""
+    policy and the ITL target factor its /config reports; the factor None where the policy is not
+    the chunked one, which alone reads it)."""
     points = []
     for d in dirs:
         path = Path(d) / "peers.json"
@@ -78,12 +91,14 @@ def measured_points(dirs: list[str], concurrency: int) -> list[dict]:
         for peer in run["peers"]:
             if peer.get("status") != "ok":
                 continue
-            factor = peer.get("info", {}).get("/config", {}).get("engine", {}).get("itl_target_factor")
+            engine = peer.get("info", {}).get("/config", {}).get("engine", {})
+            policy = engine.get("policy", "chunked")
+            factor = engine.get("itl_target_factor") if policy == "chunked" else None
             for level in peer["levels"]:
                 if level["concurrency"] != concurrency:
                     continue
                 s = level["summary"]
-                points.append({"peer": peer["peer"], "run": str(Path(d)), "itl_target_factor": factor,
+                points.append({"peer": peer["peer"], "run": str(Path(d)), "policy": policy, "itl_target_factor": factor,
                                "date": run["machine"].get("date"), **{k: s[k] for k in FIGURES}})
     return points
 
@@ -100,12 +115,12 @@ def markdown(meta: dict, sim: list[dict], measured: list[dict]) -> str:
           f"and {meta['output_len']} output tokens, closed loop at concurrency {meta['concurrency']}, "
           f"max_num_seqs {meta['max_num_seqs']}, every other setting tandem's default.", "",
           f"    {meta['command']}", "", "## Simulated", "",
-          "| steps' cost / start-up estimate's | itl_target_factor " + head, "|---|---|---|---|---|"]
-    md += [f"| {p['slowdown']:g} | {p['itl_target_factor']:g} | " + row(p) for p in sim]
+          "| steps' cost / start-up estimate's | itl_target_factor (chunked) or policy " + head, "|---|---|---|---|---|"]
+    md += [f"| {p['slowdown']:g} | {label(p)} | " + row(p) for p in sim]
     if measured:
-        md += ["", "## Measured (peers.py)", "", "| peer | itl_target_factor | run " + head, "|---|---|---|---|---|---|"]
-        md += [f"| {p['peer']} | {'' if p['itl_target_factor'] is None or p['peer'] != 'tandem' else p['itl_target_factor']} "
-               f"| {p['run']} | " + row(p) for p in measured]
+        md += ["", "## Measured (peers.py)", "", "| peer | itl_target_factor (chunked) or policy | run " + head,
+               "|---|---|---|---|---|---|"]
+        md += [f"| {p['peer']} | {label(p) if p['peer'] == 'tandem' else ''} | {p['run']} | " + row(p) for p in measured]
     return "\n".join(md) + "\n"
 
 
@@ -118,22 +133,25 @@ def plot(sim: list[dict], measured: list[dict], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7.5, 5))
     lines = sorted({p["slowdown"] for p in sim})
     for i, slowdown in enumerate(lines):
-        pts = [p for p in sim if p["slowdown"] == slowdown]
+        pts = [p for p in sim if p["slowdown"] == slowdown and p["itl_target_factor"] is not None]
+        others = [p for p in sim if p["slowdown"] == slowdown and p["itl_target_factor"] is None]
         color = ("tab:blue", "tab:purple", "tab:orange", "tab:brown")[i % 4]
-        label = "tandem, simulated" + ("" if slowdown == 1.0 else f", steps {slowdown:g}x the start-up estimate")
-        ax.plot([p["p99_ttft_ms"] / 1000 for p in pts], [p["p99_itl_ms"] for p in pts], "o-", color=color, label=label)
-        for p in pts:
-            ax.annotate(f"{p['itl_target_factor']:g}", (p["p99_ttft_ms"] / 1000, p["p99_itl_ms"]),
+        name = "tandem, simulated" + ("" if slowdown == 1.0 else f", steps {slowdown:g}x the start-up estimate")
+        ax.plot([p["p99_ttft_ms"] / 1000 for p in pts], [p["p99_itl_ms"] for p in pts], "o-", color=color, label=name)
+        ax.plot([p["p99_ttft_ms"] / 1000 for p in others], [p["p99_itl_ms"] for p in others], "D", color=color,
+                fillstyle="none", label=None if not others else name + ", other policies")
+        for p in pts + others:
+            ax.annotate(label(p), (p["p99_ttft_ms"] / 1000, p["p99_itl_ms"]),
                         textcoords="offset points", xytext=(5, 4), fontsize=8, color=color)
     styles = {"tandem": ("s", "tab:green"), "llama-server": ("x", "tab:red")}
     seen = set()
     for p in measured:
         marker, color = styles.get(p["peer"], ("^", "tab:gray"))
-        label = f"{p['peer']}, measured" if p["peer"] not in seen else None
+        legend = f"{p['peer']}, measured" if p["peer"] not in seen else None
         seen.add(p["peer"])
-        ax.plot(p["p99_ttft_ms"] / 1000, p["p99_itl_ms"], marker, color=color, markersize=8, label=label)
-        if p["peer"] == "tandem" and p["itl_target_factor"] is not None:
-            ax.annotate(f"{p['itl_target_factor']:g}", (p["p99_ttft_ms"] / 1000, p["p99_itl_ms"]),
+        ax.plot(p["p99_ttft_ms"] / 1000, p["p99_itl_ms"], marker, color=color, markersize=8, label=legend)
+        if p["peer"] == "tandem":
+            ax.annotate(label(p), (p["p99_ttft_ms"] / 1000, p["p99_itl_ms"]),
                         textcoords="offset points", xytext=(5, -10), fontsize=8, color=color)
     ax.set_xlabel("TTFT p99 (s)")
     ax.set_ylabel("ITL p99 (ms)")
@@ -161,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", required=True, help="a measured cost profile (tandem calibrate) or a shipped one")
     ap.add_argument("--factors", default="1.5,2,2.5,3,3.5,4,5", help="itl_target_factor values to simulate")
     ap.add_argument("--slowdowns", default="1", help="steps' cost over the start-up estimate's, one line each")
+    ap.add_argument("--policies", default="", help="other scheduling policies to simulate as points, comma-separated "
+                    f"(of {', '.join(p for p in POLICIES if p != 'chunked')})")
     ap.add_argument("--measured", nargs="*", default=[], help="peers.py result directories to draw beside")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--requests", type=int, default=32)
@@ -171,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     factors, slowdowns = numbers("factors", args.factors), numbers("slowdowns", args.slowdowns)
+    policies = [p for p in args.policies.split(",") if p]
+    for p in policies:
+        if p not in POLICIES or p == "chunked":
+            raise SystemExit(f"--policies: each must be one of {', '.join(x for x in POLICIES if x != 'chunked')}"
+                             f" (the chunked policy is the factors' line), got {p!r}")
     for name in ("concurrency", "requests", "input_len", "output_len", "max_num_seqs"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
@@ -183,10 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     sim = []
     for slowdown in slowdowns:
         evaluator = SimEvaluator(slower(profile, slowdown), SchedulerConfig(max_num_seqs=args.max_num_seqs))
-        for f in factors:
-            sim.append(simulate(evaluator, f, slowdown, args))
+        runs = [(f, "chunked") for f in factors] + [(None, p) for p in policies]
+        for f, policy in runs:
+            sim.append(simulate(evaluator, f, slowdown, args, policy))
             p = sim[-1]
-            print(f"steps {slowdown:g}x, factor {f:g}: TTFT p99 {p['p99_ttft_ms']:,.0f} ms, "
+            print(f"steps {slowdown:g}x, {'factor ' if f is not None else ''}{label(p)}: TTFT p99 {p['p99_ttft_ms']:,.0f} ms, "
                   f"ITL p99 {p['p99_itl_ms']:,.0f} ms, {p['output_throughput']:.1f} tok/s", file=sys.stderr)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
