@@ -47,6 +47,8 @@ from tandem.config import POLICIES, SchedulerConfig  # noqa: E402
 from tandem.core.step_time import StepCost  # noqa: E402
 from tandem.sim.profile import describe, load_profile  # noqa: E402
 
+OTHER_POLICIES = tuple(p for p in POLICIES if p != "chunked")
+"""What ``--policies`` takes: the chunked policy is the factors' line."""
 FIGURES = ("output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms")
 
 
@@ -180,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--factors", default="1.5,2,2.5,3,3.5,4,5", help="itl_target_factor values to simulate")
     ap.add_argument("--slowdowns", default="1", help="steps' cost over the start-up estimate's, one line each")
     ap.add_argument("--policies", default="", help="other scheduling policies to simulate as points, comma-separated "
-                    f"(of {', '.join(p for p in POLICIES if p != 'chunked')})")
+                    f"(of {', '.join(OTHER_POLICIES)})")
     ap.add_argument("--measured", nargs="*", default=[], help="peers.py result directories to draw beside")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--requests", type=int, default=32)
@@ -193,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     factors, slowdowns = numbers("factors", args.factors), numbers("slowdowns", args.slowdowns)
     policies = [p for p in args.policies.split(",") if p]
     for p in policies:
-        if p not in POLICIES or p == "chunked":
-            raise SystemExit(f"--policies: each must be one of {', '.join(x for x in POLICIES if x != 'chunked')}"
+        if p not in OTHER_POLICIES:
+            raise SystemExit(f"--policies: each must be one of {', '.join(OTHER_POLICIES)}"
                              f" (the chunked policy is the factors' line), got {p!r}")
     for name in ("concurrency", "requests", "input_len", "output_len", "max_num_seqs"):
         if getattr(args, name) < 1:
