@@ -26,6 +26,9 @@ The rule, for one step, after the running decodes are planned:
   in fewer, larger steps, and steps that ran over by misprediction use up the same allowance.
   With no gaps recorded yet there is no allowance: it is earned by steps within T, and only the
   last ``OVERRUN_WINDOW`` gaps count, so idle time banks nothing.
+* **Burst pause.** Before any of this, a step may pause the running streams instead, prefilling
+  a burst of waiting prompts with the whole token budget (``burst_pause.BurstPause``), one long
+  gap per stream paid for from the same ledger.
 * **TTFT.** A prompt with a ``target_ttft_ms`` (its own, else the engine's) whose predicted
   first token, at the ITL share, lands after its deadline (arrival + target) may take more: the
   smallest chunk per step that meets the deadline. It does so only if that is possible within
@@ -92,6 +95,25 @@ def full_batch(planned: Sequence[Planned], max_num_seqs: int) -> Features:
     return features([(start, 1)] * n)
 
 
+def step_target(model: StepTimeModel, planned: Sequence[Planned], settings: TargetSettings) -> float | None:
+    """Seconds: the ITL target T of a step whose decodes are ``planned`` (None: no target)."""
+    if not planned:
+        return None
+    target = itl_target([p.request for p in planned], settings.target_itl_ms)
+    if target is None and settings.itl_target_factor:
+        # no explicit target: a multiple of what a full batch of decodes takes, so it scales with
+        # the CPU instead of being one number for every machine, and does not tighten while only
+        # a few streams run (when a long step delays few gaps and prompts are waiting). Priced by
+        # the start-up estimate, which timed a full batch, not by the online fit: that fit sees
+        # the steps a load runs (a few decodes beside prompt chunks at first, never a full batch
+        # at C < max_num_seqs), so its extrapolation of a full batch, and with it T, moves from
+        # step to step; nor does T grow when the host slows (the margin, from measured gaps,
+        # keeps steps within it then)
+        full = model.prior.predict(full_batch(planned, settings.max_num_seqs))
+        target = max(settings.itl_target_factor * full, settings.min_target_itl_ms / 1000.0)
+    return target
+
+
 class PrefillShare:
     """One step's prefill allowance: ``size`` a chunk, then ``take`` it once it is scheduled."""
 
@@ -105,18 +127,7 @@ class PrefillShare:
         self.num_decodes = len(planned)
         self.decode_x = features((p.start, p.num_tokens) for p in planned)
         self.x = self.decode_x  # the step as planned so far
-        self.target = itl_target([p.request for p in planned], settings.target_itl_ms) if planned else None
-        if self.target is None and planned and settings.itl_target_factor:
-            # no explicit target: a multiple of what a full batch of decodes takes, so it scales with
-            # the CPU instead of being one number for every machine, and does not tighten while only
-            # a few streams run (when a long step delays few gaps and prompts are waiting). Priced by
-            # the start-up estimate, which timed a full batch, not by the online fit: that fit sees
-            # the steps a load runs (a few decodes beside prompt chunks at first, never a full batch
-            # at C < max_num_seqs), so its extrapolation of a full batch, and with it T, moves from
-            # step to step; nor does T grow when the host slows (the margin, from measured gaps,
-            # keeps steps within it then)
-            full = model.prior.predict(full_batch(planned, settings.max_num_seqs))
-            self.target = max(settings.itl_target_factor * full, settings.min_target_itl_ms / 1000.0)
+        self.target = step_target(model, planned, settings)
         self.min_tokens = min_tokens
         """Prompt tokens a step carries whatever the prediction says: one KV block, or the
         runner's prompt tile where a chunk costs whole tiles (``ChunkedPolicy.use_step_model``)."""
