@@ -123,6 +123,16 @@ class SchedulerConfig:
             "misprediction count too; 0 keeps every step within the target"
         ),
     )
+    max_pause_ms: float = field(
+        default=10000.0,
+        metadata=_help(
+            "chunked, with an ITL target: when at least as many prompts wait as streams run and the overrun "
+            "allowance (--itl-overrun-share, counting the gaps that ignore_eos or min_tokens guarantee the "
+            "requests still produce) can pay one long gap per stream, the streams pause while the prompts "
+            "prefill with the whole --max-num-batched-tokens; a pause ends at the first step this many ms "
+            "after it began, or sooner; 0 never pauses"
+        ),
+    )
     min_target_itl_ms: float = field(
         default=20.0, metadata=_help("the tightest target_itl_ms a request may ask for (400 below)")
     )
@@ -175,7 +185,7 @@ class SchedulerConfig:
         if not _finite(self.itl_overrun_share, least=0.0) or self.itl_overrun_share >= 0.5:
             raise ValueError(f"itl_overrun_share: must be a share in [0, 0.5) of the inter-token gaps, "
                              f"got {self.itl_overrun_share!r}")
-        for name in ("min_target_itl_ms", "min_target_ttft_ms"):
+        for name in ("max_pause_ms", "min_target_itl_ms", "min_target_ttft_ms"):
             if not _finite(getattr(self, name), least=0.0):
                 raise ValueError(f"{name}: must be a number of milliseconds >= 0, got {getattr(self, name)!r}")
         _positive_int("step_model_window", self.step_model_window)

@@ -2,7 +2,7 @@
 
 Process "engine" has one track of steps, each labelled with its prefill/decode token mix (and,
 under an ITL target, the target T, the noise margin and what set its prompt work: ``itl``,
-``ttft``, ``overrun`` or ``none``), and counter tracks for KV usage, queue lengths and the ITL target (T
+``ttft``, ``overrun``, ``pause`` or ``none``), and counter tracks for KV usage, queue lengths and the ITL target (T
 and the share of it prompt work was sized to). Process "requests" has one track per request,
 named by its request id (for the server, the ``cmpl-…``/``chatcmpl-…`` id the client sees, with
 ``-<choice>`` when one response has several): a "request" span from arrival to the end of its
@@ -51,11 +51,12 @@ def _chunk_name(c: ChunkStat) -> str:
 
 
 def _sizing_args(sizing: StepSizing | None) -> dict:
-    """A step's ITL sizing as trace args: T, the noise margin and what set its prompt work."""
+    """A step's ITL sizing as trace args: T, the noise margin, what set its prompt work and the
+    streams it paused."""
     if sizing is None:
         return {}
     return {"itl_target_ms": round(sizing.target_seconds * 1e3, 3), "itl_margin": round(sizing.margin, 4),
-            "prefill_limit": sizing.limit, "ttft_tokens": sizing.ttft_tokens}
+            "prefill_limit": sizing.limit, "ttft_tokens": sizing.ttft_tokens, "paused_streams": sizing.paused}
 
 
 class TraceRecorder:

@@ -94,7 +94,7 @@ def counter_delta(samples: list[tuple[float, dict[str, float]]], key: str) -> fl
 
 def sizing_summary(samples: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
     """Under an ITL target (tandem only): the steps the run sized by what set their prompt work
-    (``itl``, ``ttft``, ``overrun``, ``none``; counter deltas) and the median target T over its samples."""
+    (``itl``, ``ttft``, ``overrun``, ``pause``, ``none``; counter deltas) and the median target T over its samples."""
     out: dict[str, float] = {}
     counts = {limit: counter_delta(samples, f"sized_{limit}") for limit in SIZING_LIMITS}
     if any(counts.values()):

@@ -33,6 +33,11 @@ class GapWindow:
             self.gaps -= old
             self.marked -= old_marked
 
+    def mark(self, n: int) -> None:
+        """Mark ``n`` gaps that are yet to be seen (each is counted among the gaps when its step is)."""
+        self.steps.append((0, n))
+        self.marked += n
+
 
 class OverrunLedger:
     """The recent inter-token gaps and how many ran over their step's ITL target."""
@@ -57,6 +62,17 @@ class OverrunLedger:
     def allows(self, decodes: int) -> bool:
         """May a step with ``decodes`` running streams run over the target?"""
         return self.share > 0 and decodes > 0 and self.over + decodes <= self.share * (self.gaps + decodes)
+
+    def allows_long_gaps(self, n: int, guaranteed: int) -> bool:
+        """May ``n`` more streams each see one gap over the target, given ``guaranteed`` gaps that
+        requests now running or waiting must still produce (their ``guaranteed_output_tokens``)?"""
+        return self.share > 0 and n > 0 and self.over + n <= self.share * (self.gaps + guaranteed)
+
+    def charge(self, n: int) -> None:
+        """``n`` streams will each see one gap over the target (a pause): counted as over now; the
+        gaps themselves are counted when the steps that end them are recorded."""
+        if n > 0:
+            self.recent.mark(n)
 
 
 MARGIN_WINDOW = 256

@@ -18,14 +18,15 @@ from __future__ import annotations
 import time
 from typing import Callable, NamedTuple, Protocol
 
-from tandem.core.budget import StepBudget
+from tandem.core.budget import Planned, StepBudget
+from tandem.core.burst_pause import BurstPause
 from tandem.core.queues import RequestQueues
 from tandem.core.registry import make
 from tandem.core.request import Request, RequestStatus
 from tandem.core.step import StepSizing
-from tandem.core.step_time import StepCost, StepTimeModel
+from tandem.core.step_time import StepCost, StepTimeModel, add, chunk_features, features
 from tandem.core.gap_ledgers import NoiseMargin, OverrunLedger
-from tandem.core.target_budget import PrefillShare
+from tandem.core.target_budget import PrefillShare, step_target
 
 
 class PolicySettings(Protocol):
@@ -39,6 +40,7 @@ class PolicySettings(Protocol):
     itl_overrun_share: float
     itl_margin_share: float
     min_target_itl_ms: float
+    max_pause_ms: float
     max_num_seqs: int
 
 
@@ -108,6 +110,7 @@ class ChunkedPolicy:
         self.prompt_tile = 1
         self.ledger = OverrunLedger(settings.itl_overrun_share)
         self.margin = NoiseMargin(settings.itl_margin_share)
+        self.pause = BurstPause(self.ledger, settings.max_pause_ms / 1000.0)
         self._last: _Sized | None = None
         """The last step that carried decodes under an ITL target, settled when the next is planned."""
         self.last_sizing: StepSizing | None = None
@@ -128,23 +131,34 @@ class ChunkedPolicy:
 
     def schedule(self, queues: RequestQueues, budget: StepBudget) -> None:
         ranked = queues.ranked_running()
-        # 1. Decodes first: a running stream never waits for somebody else's prompt.
-        for request in ranked:
-            if budget.tokens_left <= 0:
-                break
-            if request.status is RequestStatus.RUNNING and not request.is_prefilling:
-                budget.schedule_running(request, 1)
         now = self.clock()
         self._settle(now)
+        streams = [r for r in ranked if r.status is RequestStatus.RUNNING and not r.is_prefilling]
+        if self._pause_streams(queues, ranked, streams, budget, now):
+            return
+        # 1. Decodes first: a running stream never waits for somebody else's prompt (but in a pause).
+        for request in streams:
+            if budget.tokens_left <= 0:
+                break
+            if request.status is RequestStatus.RUNNING:  # not preempted by an earlier one's growth
+                budget.schedule_running(request, 1)
         share = PrefillShare(self.step_model, budget.planned, self.settings,
                              max(budget.allocator.block_size, self.prompt_tile), now, self.margin.factor)
         decodes = [p.request for p in budget.planned] if share.target is not None else []
         self._spend_overrun(queues, share)
+        self._schedule_prompts(queues, ranked, budget, share)
+        self.last_sizing = share.sizing()
+        if decodes and (self.margin.slack or self.ledger.share):
+            self._last = _Sized(now, decodes, share.target, self.step_model.last, share.granted > 0,
+                                share.predicted())
+
+    def _schedule_prompts(self, queues: RequestQueues, ranked: list[Request], budget: StepBudget,
+                          share: PrefillShare, may_start: Callable[[Request], bool] | None = None) -> None:
         # 2. Prompts already part-way through their prefill.
         for request in ranked:
             if budget.tokens_left <= 0:
                 break
-            if request.status is RequestStatus.RUNNING and not budget.is_scheduled(request):
+            if request.status is RequestStatus.RUNNING and not budget.is_scheduled(request) and request.is_prefilling:
                 start, n = request.num_computed_tokens, share.size(request, self._chunk(request, budget.tokens_left))
                 if n and budget.schedule_running(request, n):
                     share.take(start, n)
@@ -156,6 +170,8 @@ class ChunkedPolicy:
             is_long = self._is_long(request)
             if is_long and self.max_long and long_active >= self.max_long:
                 continue
+            if may_start is not None and not may_start(request):
+                break
             budget.reuse_prefix(request)
             start, n = request.num_computed_tokens, share.size(request, self._chunk(request, budget.tokens_left))
             if not n:  # no time left for it; a later prompt may still need its TTFT share
@@ -164,10 +180,39 @@ class ChunkedPolicy:
                 break
             share.take(start, n)
             long_active += is_long
-        self.last_sizing = share.sizing()
-        if decodes and (self.margin.slack or self.ledger.share):
-            self._last = _Sized(now, decodes, share.target, self.step_model.last, share.granted > 0,
-                                share.predicted())
+
+    def _pause_streams(self, queues: RequestQueues, ranked: list[Request], streams: list[Request],
+                       budget: StepBudget, now: float) -> bool:
+        """A burst pause (``burst_pause``): if this step pauses the streams, schedule it (prompts only,
+        the whole token budget) and say so."""
+        target = step_target(self.step_model, [Planned(r, r.num_computed_tokens, 1) for r in streams], self.settings)
+        if target is None:
+            self.pause.end()
+            return False
+        new = self.pause.wanted(queues, streams, budget.max_seqs - len(queues.running), now)
+        if new is None:
+            return False
+        # a prompt starts only if, once prefilled, a step of every stream's decode and the least
+        # prompt chunk a step carries still fits in T
+        contexts = [(r.num_computed_tokens, 1) for r in streams]
+        contexts += [(r.num_tokens, 1) for r in queues.running if r.is_prefilling]
+        limit = target * self.margin.factor
+        least = chunk_features(0, max(budget.allocator.block_size, self.prompt_tile))
+
+        def may_start(request: Request) -> bool:
+            if self.step_model.predict(add(features([*contexts, (request.num_tokens, 1)]), least)) > limit:
+                return False
+            contexts.append((request.num_tokens, 1))
+            return True
+
+        self._schedule_prompts(queues, ranked, budget, PrefillShare(self.step_model, (), self.settings, 0, now),
+                               may_start)
+        if not budget.planned:  # no prompt could be scheduled (KV): decode instead
+            self.pause.end()
+            return False
+        self.pause.commit(new, now)
+        self.last_sizing = StepSizing(target, self.margin.factor, paused=len(streams))
+        return True
 
     def _settle(self, now: float) -> None:
         """Record the last step under a target: in the noise margin with its cycle (its start to

@@ -145,6 +145,21 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
     @property
+    def guaranteed_output_tokens(self) -> int:
+        """Output tokens this request will produce unless it is aborted: ``min_tokens``, or with
+        ``ignore_eos`` and nothing else that may end it early (stop strings or ids, a grammar) all of
+        ``max_tokens`` that fit in the context."""
+        p = self.params
+        whole = p.ignore_eos and not p.stop and not p.stop_token_ids and p.constraint is None
+        room = max(0, self.max_total_tokens - self.num_prompt_tokens)
+        return min(p.max_tokens if whole else p.min_tokens, room)
+
+    @property
+    def guaranteed_gaps_left(self) -> int:
+        """Inter-token gaps it will still produce unless aborted (a token's gap is to the one before)."""
+        return max(0, self.guaranteed_output_tokens - max(self.num_output_tokens, 1))
+
+    @property
     def max_tokens_needed(self) -> int:
         """The most KV slots this request can ever need."""
         return min(self.num_prompt_tokens + self.params.max_tokens, self.max_total_tokens)

@@ -75,7 +75,7 @@ class ScheduledChunk:
         return range(self.start, self.end)
 
 
-SIZING_LIMITS = ("itl", "ttft", "overrun", "none")
+SIZING_LIMITS = ("itl", "ttft", "overrun", "pause", "none")
 """What may set a step's prompt work under an ITL target (``StepSizing.limit``)."""
 
 
@@ -94,13 +94,16 @@ class StepSizing:
     """Prompt tokens granted beyond the ITL share so that prompts meet their TTFT deadlines."""
     prompts: bool = True
     """A prompt asked for tokens in the step (False: only decodes to run, nothing to size)."""
+    paused: int = 0
+    """Streams the step paused so that a burst of prompts took the whole token budget
+    (``burst_pause``); 0: it decoded every running stream."""
 
     @property
     def limit(self) -> str:
-        """What set the prefill share: 'overrun', 'ttft', 'itl', or 'none' (no prompt asked for any)."""
+        """What set the prefill share: 'pause', 'overrun', 'ttft', 'itl', or 'none' (no prompt asked for any)."""
         if not self.prompts:
             return "none"
-        return "overrun" if self.overrun else "ttft" if self.ttft_tokens else "itl"
+        return "pause" if self.paused else "overrun" if self.overrun else "ttft" if self.ttft_tokens else "itl"
 
 
 @dataclass(frozen=True)

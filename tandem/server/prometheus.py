@@ -108,7 +108,8 @@ class ServerMetrics:
         self.sized_steps = Counter(
             "tandem:itl_sized_steps", "Steps sized under an ITL target, by what set their prompt work: itl (the "
             "share that keeps the predicted step within T), ttft (more, for a prompt's TTFT deadline), overrun "
-            "(the whole token budget, under the overrun allowance), none (no prompt asked for tokens).",
+            "(the whole token budget, under the overrun allowance), pause (the whole token budget while the "
+            "streams wait, a burst pause), none (no prompt asked for tokens).",
             [*m, "limit"], registry=r)
         for limit in SIZING_LIMITS:
             self.sized_steps.labels(model_name, limit)
