@@ -164,6 +164,13 @@ def test_ledger_pays_long_gaps_from_seen_and_guaranteed_gaps():
     assert ledger.gaps == 1600 and ledger.over == 16
     assert not ledger.allows_long_gaps(1, 0) and ledger.allows_long_gaps(1, 100)
     assert not OverrunLedger(0.0).allows_long_gaps(1, 10**6)
+    # steps over T by noise use up the overrun allowance, not the pauses' share of long gaps
+    noisy = OverrunLedger(0.01)
+    for _ in range(100):
+        noisy.record(16, 0.06, 0.05)
+    assert noisy.over == 1600 and not noisy.allows(16) and noisy.allows_long_gaps(16, 0)
+    noisy.charge(16)
+    assert noisy.over == 1616 and not noisy.allows_long_gaps(1, 0)
 
 
 def test_guaranteed_output_tokens():

@@ -40,10 +40,6 @@ class BurstPause:
         """When the current pause began (None: no pause)."""
         self._resumed = False  # a pause just ended: the next step decodes
 
-    @property
-    def active(self) -> bool:
-        return self.since is not None
-
     def wanted(self, queues: RequestQueues, streams: Sequence[Request], seats: int, now: float) -> list[Request] | None:
         """Whether this step should pause ``streams`` (the running requests it would decode): the ones
         it must still pay for, or None for no pause. ``seats``: how many more requests may run."""
