@@ -27,7 +27,7 @@ from typing import Sequence
 
 from tandem.core.gap_ledgers import OverrunLedger
 from tandem.core.queues import RequestQueues
-from tandem.core.request import Request, RequestStatus
+from tandem.core.request import Request
 
 
 class BurstPause:
@@ -46,7 +46,7 @@ class BurstPause:
         if self._resumed or self.max_seconds <= 0 or not self.ledger.share or not streams:
             self._resumed = False
             return self.end()
-        prefilling = sum(1 for r in queues.running if r.status is RequestStatus.RUNNING and r.is_prefilling)
+        prefilling = sum(r.is_prefilling for r in queues.running)
         burst = prefilling + min(len(queues.waiting), max(seats, 0))
         if not burst:
             return self.end()

@@ -185,12 +185,16 @@ class ChunkedPolicy:
                        budget: StepBudget, now: float) -> bool:
         """A burst pause (``burst_pause``): if this step pauses the streams, schedule it (prompts only,
         the whole token budget) and say so."""
-        target = step_target(self.step_model, [Planned(r, r.num_computed_tokens, 1) for r in streams], self.settings)
-        if target is None:
+        if not streams:
             self.pause.end()
             return False
         new = self.pause.wanted(queues, streams, budget.max_seqs - len(queues.running), now)
         if new is None:
+            return False
+        # priced only where a pause is wanted: most steps stop at the cheap checks above
+        target = step_target(self.step_model, [Planned(r, r.num_computed_tokens, 1) for r in streams], self.settings)
+        if target is None:
+            self.pause.end()
             return False
         # a prompt starts only if, once prefilled, a step of every stream's decode and the least
         # prompt chunk a step carries still fits in T
