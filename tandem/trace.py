@@ -56,7 +56,8 @@ def _sizing_args(sizing: StepSizing | None) -> dict:
     if sizing is None:
         return {}
     return {"itl_target_ms": round(sizing.target_seconds * 1e3, 3), "itl_margin": round(sizing.margin, 4),
-            "prefill_limit": sizing.limit, "ttft_tokens": sizing.ttft_tokens, "paused_streams": sizing.paused}
+            "prefill_limit": sizing.limit, "ttft_tokens": sizing.ttft_tokens, "paused_streams": sizing.paused,
+            "pause_end": sizing.pause_end}
 
 
 class TraceRecorder:

@@ -229,20 +229,23 @@ def test_parse_gauges_reads_one_label_of_a_family():
     text = ('tandem:itl_sized_steps_total{limit="itl",model_name="a"} 7\n'
             'tandem:itl_sized_steps_total{limit="overrun",model_name="a"} 2\n'
             'tandem:itl_sized_steps_total{limit="itl",model_name="b"} 1\n'
-            'tandem:itl_target_seconds{model_name="a"} 0.25\n')
+            'tandem:itl_target_seconds{model_name="a"} 0.25\n'
+            'tandem:burst_pause_ends_total{model_name="a",reason="gate"} 3\n')
     # summed over the series with that label, whatever their other labels; a limit not exported is absent
-    assert parse_gauges(text) == {"sized_itl": 8.0, "sized_overrun": 2.0, "itl_target": 0.25}
+    assert parse_gauges(text) == {"sized_itl": 8.0, "sized_overrun": 2.0, "itl_target": 0.25, "pause_end_gate": 3.0}
 
 
 def test_sizing_summary_counts_the_runs_steps_and_its_median_target():
     from tandem.bench.summary import sizing_summary
 
-    samples = [(0.0, {"sized_itl": 5, "sized_ttft": 0, "sized_overrun": 1, "itl_target": 0.0}),
-               (1.0, {"sized_itl": 9, "sized_ttft": 2, "sized_overrun": 1, "itl_target": 0.2}),
-               (2.0, {"sized_itl": 12, "sized_ttft": 2, "sized_overrun": 4, "itl_target": 0.3}),
-               (3.0, {"sized_itl": 12, "sized_ttft": 2, "sized_overrun": 4, "itl_target": 0.4})]
+    samples = [(0.0, {"sized_itl": 5, "sized_ttft": 0, "sized_overrun": 1, "itl_target": 0.0, "pause_end_done": 0}),
+               (1.0, {"sized_itl": 9, "sized_ttft": 2, "sized_overrun": 1, "itl_target": 0.2, "pause_end_done": 1}),
+               (2.0, {"sized_itl": 12, "sized_ttft": 2, "sized_overrun": 4, "itl_target": 0.3, "pause_end_done": 1,
+                      "pause_end_gate": 0}),
+               (3.0, {"sized_itl": 12, "sized_ttft": 2, "sized_overrun": 4, "itl_target": 0.4, "pause_end_done": 3,
+                      "pause_end_gate": 2})]
     assert sizing_summary(samples) == {"steps_sized_itl": 7, "steps_sized_ttft": 2, "steps_sized_overrun": 3,
-                                       "median_itl_target_ms": 300.0}
+                                       "pause_ends_done": 3, "pause_ends_gate": 2, "median_itl_target_ms": 300.0}
     assert sizing_summary([(0.0, {"running": 1})]) == {}  # not tandem, or no target: nothing to say
 
 

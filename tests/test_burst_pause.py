@@ -58,6 +58,23 @@ def pause_steps(engine):
     return [s for s in engine.step_stats if s.sizing is not None and s.sizing.limit == "pause"]
 
 
+def pause_ends(engine):
+    """Each pause's end as the step after it reports it: (that step's id, why)."""
+    return [(s.step_id, s.sizing.pause_end) for s in engine.step_stats if s.sizing is not None and s.sizing.pause_end]
+
+
+def runs_of(steps):
+    """Consecutive paused steps, one list per pause."""
+    runs, current = [], [steps[0]]
+    for prev, s in zip(steps, steps[1:]):
+        if s.step_id == prev.step_id + 1:
+            current.append(s)
+        else:
+            runs.append(current)
+            current = [s]
+    return [*runs, current]
+
+
 def test_waves_prefill_whole_while_streams_wait_one_long_gap_each():
     config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512)
     paused, timings = closed_loop(config, ignore_eos=True)
@@ -66,6 +83,9 @@ def test_waves_prefill_whole_while_streams_wait_one_long_gap_each():
     assert steps and all(s.num_decode_tokens == 0 and s.num_prefill_tokens > 0 for s in steps)
     assert all(s.sizing.paused > 0 and s.sizing.target_seconds > 0 for s in steps)
     assert not pause_steps(spread)
+    # every pause ends when its wave's prompts are done, and the step after it says so
+    assert pause_ends(paused) == [(run[-1].step_id + 1, "done") for run in runs_of(steps)]
+    assert not pause_ends(spread)
     # a pause is one long gap per stream: within the overrun allowance of all gaps
     targets = [s.sizing.target_seconds for s in steps]
     t = min(targets)
@@ -109,14 +129,11 @@ def test_a_pause_ends_at_max_pause_ms():
     engine, _ = closed_loop(config, n=8, c=8, prompt=1500, out=400, ignore_eos=True)
     steps = pause_steps(engine)
     assert steps
-    runs, current = [], [steps[0]]
-    for prev, s in zip(steps, steps[1:]):
-        if s.step_id == prev.step_id + 1:
-            current.append(s)
-        else:
-            runs.append(current)
-            current = [s]
-    runs.append(current)
+    runs = runs_of(steps)
+    # every pause but the last wave's stops at the limit, with prompt work left
+    ends = dict(pause_ends(engine))
+    assert [ends[run[-1].step_id + 1] for run in runs[:-1]] == ["time"] * (len(runs) - 1)
+    assert runs[:-1]
     for run in runs:
         # each step of a run began within the limit of the run's first
         assert run[-1].start - run[0].start < 1.0
@@ -148,6 +165,8 @@ def test_a_pause_starts_only_prompts_whose_streams_keep_decode_steps_within_the_
             continue
         engine.step()
     assert pause_steps(engine)
+    # the pause stopped because the next prompt would not fit, not for want of prompts
+    assert [why for _, why in pause_ends(engine)] == ["gate"]
     all_gaps = gaps(timings)
     assert sum(g > 0.040 + 1e-9 for g in all_gaps) <= 0.005 * len(all_gaps) + 8
     assert p99(all_gaps) <= 0.040 * 1.02

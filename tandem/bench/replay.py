@@ -20,6 +20,7 @@ from tandem.bench.client import RequestResult, request_body, send
 from tandem.bench.workload import ArrivalSpec
 
 from tandem.bench.prompts import BenchRequest
+from tandem.core.burst_pause import END_REASONS
 from tandem.core.step import SIZING_LIMITS
 
 # Gauges read from /metrics while a run goes; tandem's names first, then vLLM's, SGLang's and
@@ -40,6 +41,8 @@ SCRAPED = {
     "itl_target": ("tandem:itl_target_seconds",),  # the ITL target the last step was sized to (0: none)
     # counters of the steps sized under an ITL target, by what set their prompt work (one label)
     **{f"sized_{limit}": (f'tandem:itl_sized_steps_total{{limit="{limit}"}}',) for limit in SIZING_LIMITS},
+    # counters of the burst pauses ended, by why (one label)
+    **{f"pause_end_{reason}": (f'tandem:burst_pause_ends_total{{reason="{reason}"}}',) for reason in END_REASONS},
 }
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -196,7 +199,9 @@ def run_inprocess(
     limit = arrival.max_concurrency or math.inf
     freed_at = 0.0  # when --max-concurrency last let a waiting request go
     sized = dict.fromkeys(SIZING_LIMITS, 0)  # steps sized under an ITL target, as the server counts them
-    samples.append((0.0, {f"sized_{limit}": 0 for limit in sized}))  # the counters' start: deltas count every step
+    pause_ends = dict.fromkeys(END_REASONS, 0)  # burst pauses ended, by why
+    samples.append((0.0, {**{f"sized_{limit}": 0 for limit in sized},  # the counters' start: deltas count every step
+                          **{f"pause_end_{reason}": 0 for reason in pause_ends}}))
     itl_target = 0.0  # as the server's gauge: the last step with running streams'
     while (nxt < len(order) or in_flight) and clock() < max_duration:
         while nxt < len(order) and offsets[order[nxt]] <= clock() and len(in_flight) < limit:
@@ -248,11 +253,14 @@ def run_inprocess(
             s = engine.step_stats[-1]
             if s.sizing is not None:
                 sized[s.sizing.limit] += 1
+                if s.sizing.pause_end:
+                    pause_ends[s.sizing.pause_end] += 1
             itl_target = s.sizing.target_seconds if s.sizing is not None else 0.0 if s.num_decode_tokens else itl_target
             samples.append((s.start + s.duration - clock0, {
                 "running": s.num_running, "waiting": s.num_waiting,
                 "kv_usage": s.kv_blocks_used / s.kv_blocks_total, "itl_target": itl_target,
                 **{f"sized_{limit}": n for limit, n in sized.items()},
+                **{f"pause_end_{reason}": n for reason, n in pause_ends.items()},
             }))
     for rid in list(in_flight):
         engine.abort_request(rid)

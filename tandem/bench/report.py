@@ -19,6 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from tandem.bench.client import RequestResult  # noqa: E402
 from tandem.bench.replay import RunData  # noqa: E402
+from tandem.core.burst_pause import END_REASONS  # noqa: E402
 from tandem.core.step import SIZING_LIMITS  # noqa: E402
 from tandem.ops.modes import describe_paths  # noqa: E402
 
@@ -139,10 +140,12 @@ def markdown(summary: dict, classes: dict[str, dict], meta: dict) -> str:
     lines += ["| metric | value |", "|---|---|"]
     order = ["completed", "failed", "duration", "request_throughput", "output_throughput", "total_token_throughput",
              "request_goodput", "recomputed_tokens", "cached_prompt_tokens", "cached_prompt_fraction",
-             "prefix_cache_hit_rate", *(f"steps_sized_{limit}" for limit in SIZING_LIMITS)]
+             "prefix_cache_hit_rate", *(f"steps_sized_{limit}" for limit in SIZING_LIMITS),
+             *(f"pause_ends_{reason}" for reason in END_REASONS)]
     units = {"duration": " s", "request_throughput": " req/s", "output_throughput": " tok/s",
              "total_token_throughput": " tok/s", "request_goodput": " req/s", "recomputed_tokens": " tokens",
-             "cached_prompt_tokens": " tokens", **{f"steps_sized_{limit}": " steps" for limit in SIZING_LIMITS}}
+             "cached_prompt_tokens": " tokens", **{f"steps_sized_{limit}": " steps" for limit in SIZING_LIMITS},
+             **{f"pause_ends_{reason}": " pauses" for reason in END_REASONS}}
     for k in order:
         if k in summary:
             lines.append(f"| {k} | {_fmt(summary[k])}{units.get(k, '')} |")

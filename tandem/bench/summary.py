@@ -6,6 +6,7 @@ from collections import Counter
 from typing import Sequence
 
 from tandem.bench.client import RequestResult
+from tandem.core.burst_pause import END_REASONS
 from tandem.core.step import SIZING_LIMITS
 from tandem.latency import percentile, summarize
 
@@ -94,11 +95,15 @@ def counter_delta(samples: list[tuple[float, dict[str, float]]], key: str) -> fl
 
 def sizing_summary(samples: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
     """Under an ITL target (tandem only): the steps the run sized by what set their prompt work
-    (``itl``, ``ttft``, ``overrun``, ``pause``, ``none``; counter deltas) and the median target T over its samples."""
+    (``itl``, ``ttft``, ``overrun``, ``pause``, ``none``; counter deltas), the burst pauses it ended by why
+    (``burst_pause.END_REASONS``) and the median target T over its samples."""
     out: dict[str, float] = {}
     counts = {limit: counter_delta(samples, f"sized_{limit}") for limit in SIZING_LIMITS}
     if any(counts.values()):
         out.update({f"steps_sized_{limit}": n for limit, n in counts.items() if n is not None})
+    ends = {reason: counter_delta(samples, f"pause_end_{reason}") for reason in END_REASONS}
+    if any(ends.values()):
+        out.update({f"pause_ends_{reason}": n for reason, n in ends.items() if n is not None})
     targets = [g["itl_target"] for _, g in samples if g.get("itl_target")]
     if targets:
         out["median_itl_target_ms"] = percentile(targets, 50) * 1000.0

@@ -15,6 +15,8 @@ by ``max_num_seqs`` and the KV cache) in one step, as one padded ``generate()`` 
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from typing import Callable, NamedTuple, Protocol
 
@@ -147,7 +149,8 @@ class ChunkedPolicy:
         decodes = [p.request for p in budget.planned] if share.target is not None else []
         self._spend_overrun(queues, share)
         self._schedule_prompts(queues, ranked, budget, share)
-        self.last_sizing = share.sizing()
+        sizing, ended = share.sizing(), self.pause.take_ended()
+        self.last_sizing = dataclasses.replace(sizing, pause_end=ended) if sizing is not None and ended else sizing
         if decodes and (self.margin.slack or self.ledger.share):
             self._last = _Sized(now, decodes, share.target, self.step_model.last, share.granted > 0,
                                 share.predicted())
@@ -194,7 +197,7 @@ class ChunkedPolicy:
         # priced only where a pause is wanted: most steps stop at the cheap checks above
         target = step_target(self.step_model, [Planned(r, r.num_computed_tokens, 1) for r in streams], self.settings)
         if target is None:
-            self.pause.end()
+            self.pause.end("off")
             return False
         # a prompt starts only if, once prefilled, a step of every stream's decode and the least
         # prompt chunk a step carries still fits in T
@@ -203,16 +206,20 @@ class ChunkedPolicy:
         limit = target * self.margin.factor
         least = chunk_features(0, max(budget.allocator.block_size, self.prompt_tile))
 
+        gated = False
+
         def may_start(request: Request) -> bool:
+            nonlocal gated
             if self.step_model.predict(add(features([*contexts, (request.num_tokens, 1)]), least)) > limit:
+                gated = True
                 return False
             contexts.append((request.num_tokens, 1))
             return True
 
         self._schedule_prompts(queues, ranked, budget, PrefillShare(self.step_model, (), self.settings, 0, now),
                                may_start)
-        if not budget.planned:  # no prompt could be scheduled (KV): decode instead
-            self.pause.end()
+        if not budget.planned:  # no prompt could be scheduled: decode instead
+            self.pause.end("gate" if gated else "kv")
             return False
         self.pause.commit(new, now)
         self.last_sizing = StepSizing(target, self.margin.factor, paused=len(streams))

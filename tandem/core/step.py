@@ -97,6 +97,8 @@ class StepSizing:
     paused: int = 0
     """Streams the step paused so that a burst of prompts took the whole token budget
     (``burst_pause``); 0: it decoded every running stream."""
+    pause_end: str = ""
+    """Why the burst pause just before this step ended (``burst_pause.END_REASONS``); "": none did."""
 
     @property
     def limit(self) -> str:

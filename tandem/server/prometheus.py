@@ -14,6 +14,7 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
+from tandem.core.burst_pause import END_REASONS
 from tandem.core.engine import Engine
 from tandem.core.outputs import RequestOutput, StepStats
 from tandem.core.step import SIZING_LIMITS
@@ -113,6 +114,11 @@ class ServerMetrics:
             [*m, "limit"], registry=r)
         for limit in SIZING_LIMITS:
             self.sized_steps.labels(model_name, limit)
+        self.pause_ends = Counter(
+            "tandem:burst_pause_ends", "Burst pauses ended, by why: " + "; ".join(
+                f"{k} ({v})" for k, v in END_REASONS.items()) + ".", [*m, "reason"], registry=r)
+        for reason in END_REASONS:
+            self.pause_ends.labels(model_name, reason)
         self.step_error = hist("step_time_prediction_error",
                                "|predicted - measured| / measured step time, per step.", _REL_ERROR)
         self.engine_info = Info("tandem:engine", "Which paths run: CPU, kernel variant, dtype, weight format, "
@@ -172,6 +178,8 @@ class ServerMetrics:
             self.itl_margin.labels(lm).set(s.sizing.margin)
             self.itl_target.labels(lm).set(s.sizing.target_seconds)
             self.sized_steps.labels(lm, s.sizing.limit).inc()
+            if s.sizing.pause_end:
+                self.pause_ends.labels(lm, s.sizing.pause_end).inc()
         elif s.num_decode_tokens:
             self.itl_target.labels(lm).set(0)
         flops, nbytes = self.cost.step(s.spans(), s.num_sampled)
