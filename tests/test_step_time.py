@@ -1,5 +1,6 @@
 """The step-time model: one feature definition shared with the simulator, the online fit
-(recovers known coefficients, never negative, keeps the prior where data says nothing), the
+(recovers known coefficients, never negative, keeps the prior where data says nothing, and a
+measured prior speaks for the kinds of step the window lacks), the
 prediction record on StepStats, and its metrics and trace fields."""
 
 import random
@@ -9,7 +10,8 @@ import pytest
 
 from tandem.config import SchedulerConfig
 from tandem.core.request import SamplingParams
-from tandem.core.step_time import Observation, StepCost, StepTimeModel, add, chunk_features, features, fit
+from tandem.core.step_time import (ANCHOR_SEEN, ANCHOR_SHAPES, Observation, StepCost, StepTimeModel, add, anchors,
+                                   chunk_features, features, fit, speed_factor)
 from tandem.sim import sim_engine
 from tandem.utilization import ModelCost
 
@@ -97,7 +99,9 @@ def test_engine_fits_a_wrong_prior_and_the_errors_shrink():
     config = SchedulerConfig(max_num_batched_tokens=128, step_model_window=64, step_model_refit_every=8,
                              enable_prefix_caching=False)
     engine = sim_engine(config, TRUE)
+    # a generic prior, not one measured on the machine: it regularizes, no more (no anchors)
     engine.step_model.prior = engine.step_model.coefficients = StepCost(base=0.1, per_token=0.0, per_seq=0.0)
+    engine.step_model.anchored = False
     rng = random.Random(3)
     for i in range(24):
         engine.add_request(list(range(1, rng.randint(20, 400))), SamplingParams(max_tokens=rng.randint(5, 40),
@@ -155,3 +159,46 @@ def test_coefficients_are_in_metrics_before_the_first_step(tmp_path):
     assert prior["base"] > 0
     for term in prior:
         assert f'tandem:step_time_model_coefficient{{model_name="{state.model_name}",term="{term}"}}' in text
+
+
+def test_a_measured_prior_speaks_for_the_kinds_of_step_the_window_lacks():
+    # the start-up estimate of an AVX2 Zen 3 (w8a8), then a window as the peers' C=16 load gave it:
+    # full decode batches, whole prompt steps of 257 and 512 tokens (costlier per token at 257), no
+    # step with a small chunk beside decodes; the ridge alone then prices the prompt steps' cost
+    # as a once-per-step term and a 16-token chunk beside 9 decodes (94 ms measured) at 3.4x that
+    prior = StepCost(base=0.0116, per_token=0.00119, per_seq=0.0007, per_context=1.7e-6, per_pair=3.5e-6,
+                     per_prompt_step=0.0284)
+    mixed = features([(320, 1)] * 9 + [(0, 16)])
+
+    def window_fit(anchored: bool) -> StepTimeModel:
+        model = StepTimeModel(prior, anchored=anchored)
+        for i in range(240):
+            model.observe(features([(260 + (i % 120), 1)] * 16), 0.092)
+            if i % 20 == 0:
+                model.observe(features([(0, 257), (0, 255)]), 0.87)
+                model.observe(features([(0, 257)]), 0.60)
+        return model
+
+    alone, anchored = window_fit(False), window_fit(True)
+    assert alone.predict(mixed) > 0.25
+    assert anchored.predict(mixed) < 0.13
+    assert anchored.speed == pytest.approx(alone.speed) and 1.0 < anchored.speed < 1.6
+    # the steps the window does hold stay close: its prompt steps cost less per token at 512 than at
+    # 257, which no linear fit gets exactly, and the anchors' lone 512-token chunk pulls a little
+    for x, seconds in ((features([(300, 1)] * 16), 0.092), (features([(0, 257), (0, 255)]), 0.87)):
+        assert anchored.predict(x) == pytest.approx(seconds, rel=0.15)
+        assert alone.predict(x) == pytest.approx(seconds, rel=0.1)
+
+
+def test_anchors_fall_silent_where_the_window_has_steps_of_their_kind():
+    prior = StepCost(base=0.01, per_token=0.001, per_seq=0.0005)
+    decodes = [Observation(features([(100, 1)] * 16), 0.05)] * ANCHOR_SEEN
+    shapes = {a.x for a in anchors(decodes, prior, 2.0)}
+    assert features([(256, 1)] * 16) not in shapes and features([(256, 1)]) in shapes
+    # timed at the speed of the window's steps of their class, or of the whole window where it has none
+    for a in anchors(decodes, prior, 2.0):
+        assert a.seconds == pytest.approx((2.0 if a.x[5] else 0.05 / prior.predict(decodes[0].x)) * prior.predict(a.x))
+    assert len(anchors([], prior, 1.0)) == len(ANCHOR_SHAPES)
+    # the window's speed against the prior: least squares on relative error
+    assert speed_factor([Observation(x, 1.5 * prior.predict(x)) for x in ANCHOR_SHAPES], prior) == pytest.approx(1.5)
+    assert speed_factor([], prior) == 1.0

@@ -63,7 +63,7 @@ class Engine:
         # Fitted on every measured step (its coefficients are metrics); the chunked policy sizes
         # steps with it. ``step_prior``: the start-up estimate (``tandem.build.step_prior``).
         self.step_model = StepTimeModel(step_prior or StepCost(), scheduler_config.step_model_window,
-                                        scheduler_config.step_model_refit_every)
+                                        scheduler_config.step_model_refit_every, anchored=step_prior is not None)
         use_model = getattr(self.scheduler.policy, "use_step_model", None)
         if use_model is not None:
             use_model(self.step_model, clock, getattr(runner, "prompt_tile", 1))

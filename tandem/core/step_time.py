@@ -17,14 +17,26 @@ what a fitted model of it would predict.
 
 ``StepTimeModel`` starts from a prior (a start-up estimate) and refits, every ``refit_every``
 measured steps, a least-squares fit of the relative error over the last ``window`` steps,
-ridge-regularized toward the prior and constrained to non-negative coefficients. Features are
-scaled by their RMS over the window, so ``prior_weight`` reads as "the prior is worth this many
-steps", and a feature the window never shows (no prefill seen yet) keeps its prior coefficient.
+ridge-regularized toward the prior scaled to the window's speed (``speed_factor``: how much
+longer than the prior's prediction its steps ran) and constrained to non-negative coefficients.
+Features are scaled by their RMS over the window, so ``prior_weight`` reads as "the prior is worth
+this many steps", and a feature the window never shows (no prefill seen yet) keeps its scaled prior
+coefficient.
+
+A window rarely shows every kind of step: one of full decode batches and whole 512-token prompt
+steps says nothing of how a step with a 16-token chunk beside decodes splits its cost, and the
+ridge alone then puts the prompt steps' cost where its penalty is least. On an AVX2 Zen 3 (w8a8,
+the peers' C=16 load after C=1) it put 240 ms in the once-per-prompt-step term, against the
+start-up estimate's 28, and predicted such a step at 322 ms where it ran 94. So each fit also
+hears the prior, at the window's speed, at a few anchor shapes of kinds the window has (almost)
+not seen (``anchors``): then it predicted 116 ms, and once the window holds steps of a kind, only
+they speak for it.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import math
+from collections import Counter, deque
 from dataclasses import dataclass, fields
 from typing import Iterable, Sequence
 
@@ -108,7 +120,7 @@ class Observation:
 
 class StepTimeModel:
     def __init__(self, prior: StepCost, window: int = 256, refit_every: int = 16, prior_weight: float = 0.1,
-                 error_window: int = 1024) -> None:
+                 error_window: int = 1024, anchored: bool = False) -> None:
         if window < 1 or refit_every < 1:
             raise ValueError("step_model_window: the window and the refit period must be >= 1")
         self.prior = prior
@@ -119,6 +131,11 @@ class StepTimeModel:
         self.errors: deque[float] = deque(maxlen=error_window)
         """Relative error (predicted - measured) / measured of each step predicted before it ran."""
         self._since_fit = 0
+        self.anchored = anchored
+        """The prior was measured on this machine (a start-up estimate): it speaks for the kinds of
+        step the window lacks (``anchors``). A generic prior only regularizes."""
+        self.speed = 1.0
+        """The window's steps over the prior's prediction of them (``speed_factor``), at the last refit."""
         self.last: Observation | None = None
         """The most recent measured step (a policy settles what it planned against it)."""
 
@@ -142,8 +159,56 @@ class StepTimeModel:
         self._since_fit = 0
         if self.window:
             knee = self.prior.knee
-            self.coefficients = StepCost(*fit(list(self.window), self.prior.vector(), self.prior_weight, knee), knee=knee)
+            observations = list(self.window)
+            self.speed = speed_factor(observations, self.prior)
+            target = [v * self.speed for v in self.prior.vector()]
+            if self.anchored:
+                observations += anchors(observations, self.prior, self.speed)
+            self.coefficients = StepCost(*fit(observations, target, self.prior_weight, knee), knee=knee)
         return self.coefficients
+
+
+def speed_factor(observations: Sequence[Observation], prior: StepCost) -> float:
+    """How much longer than ``prior`` predicts the observed steps ran, as one factor ``m`` (least
+    squares on relative error: ``m = sum r / sum r^2``, ``r = predicted / measured``); 1 where the
+    prior predicts nothing."""
+    r = [prior.predict(o.x) / o.seconds for o in observations if o.seconds > 0]
+    r2 = sum(v * v for v in r)
+    return sum(r) / r2 if r2 > 0 else 1.0
+
+
+def _decodes(n: int, context: int = 256) -> Features:
+    return features([(context, 1)] * n)
+
+
+ANCHOR_SHAPES: tuple[Features, ...] = (
+    _decodes(1), _decodes(4), _decodes(16), _decodes(64),
+    features([(0, 16)]), features([(0, 128)]), features([(0, 512)]),
+    add(_decodes(8), chunk_features(0, 16)), add(_decodes(16), chunk_features(256, 64)),
+)
+"""Shapes the online fit always hears about: decode batches, prompt chunks alone, small chunks
+beside decodes. Where the window has too few steps like one, the prior speaks for it (``anchors``)."""
+ANCHOR_SEEN = 4
+"""Steps of an anchor's kind the window must hold before the prior stops speaking for it."""
+
+
+def _kind(x: Sequence[float]) -> tuple[bool, int, int]:
+    """A step's kind, for anchoring: prompt step or not, and its tokens and sequences to the nearest power of 2."""
+    return x[PROMPT] > 0, round(math.log2(max(x[1], 1.0))), round(math.log2(max(x[2], 1.0)))
+
+
+def anchors(observations: Sequence[Observation], prior: StepCost, speed: float) -> list[Observation]:
+    """Pseudo-steps at the ``ANCHOR_SHAPES`` whose kind the window has seen fewer than ``ANCHOR_SEEN``
+    times, each timed as ``prior`` predicts at the speed of the window's steps of its class (with
+    prompt work or decodes only; ``speed``, the whole window's, where it has none): one step's
+    worth of evidence each, so the window's own steps outweigh them wherever it has any."""
+    seen = Counter(_kind(o.x) for o in observations)
+    speeds = {}
+    for prompt in (False, True):  # prefill and decode need not slow down alike (compute, memory)
+        alike = [o for o in observations if (o.x[PROMPT] > 0) == prompt]
+        speeds[prompt] = speed_factor(alike, prior) if alike else speed
+    return [Observation(x, speeds[x[PROMPT] > 0] * prior.predict(x)) for x in ANCHOR_SHAPES
+            if seen[_kind(x)] < ANCHOR_SEEN and prior.predict(x) > 0]
 
 
 def kneed(x: Sequence[float], knee: float) -> list[float]:
