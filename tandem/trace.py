@@ -10,11 +10,14 @@ last step, holding a "queued" span from arrival to its first step, then one span
 carried the request — "prefill" chunks with their token counts, then "decode", and "recompute"
 where a preempted request computes its KV again — so a long prompt's chunks can be seen riding
 along with other requests' decode steps, and what preemption cost. Spans on a track nest or
-follow each other, never overlap, as Perfetto requires.
+follow each other, never overlap, as Perfetto requires. ``otherData.step_prior`` holds the
+engine's start-up step-time estimate, so that the run's steps can be replayed through the
+step-time model (``benchmarks/step_model_replay.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -22,6 +25,7 @@ from pathlib import Path
 
 from tandem.core.outputs import ChunkStat, RequestOutput, StepStats
 from tandem.core.step import StepSizing
+from tandem.core.step_time import StepCost
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +65,10 @@ def _sizing_args(sizing: StepSizing | None) -> dict:
 
 
 class TraceRecorder:
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, step_prior: StepCost | None = None) -> None:
         self.path = Path(path)
+        # the trace's ``otherData``: what a replay of its steps needs (benchmarks/step_model_replay.py)
+        self.other = {} if step_prior is None else {"step_prior": dataclasses.asdict(step_prior)}
         self._lock = threading.Lock()
         self._tids: dict[str, int] = {}
         # request id -> (start of its first step, end of its last step), until it finishes
@@ -150,7 +156,7 @@ class TraceRecorder:
             # metadata first, then each track in time order, an enclosing span before what it holds
             events = sorted(self.events, key=lambda e: (e["ph"] != "M", e["pid"], e.get("tid", -1),
                                                         e.get("ts", 0.0), -e.get("dur", 0.0)))
-            data = {"traceEvents": events, "displayTimeUnit": "ms"}
+            data = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": self.other}
         tmp = self.path.with_suffix(self.path.suffix + ".tmp")
         tmp.write_text(json.dumps(data))
         tmp.replace(self.path)

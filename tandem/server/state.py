@@ -66,7 +66,7 @@ def build_state(engine_config: EngineConfig, server_config: ServerConfig) -> Ser
     paths = loaded.paths()
     metrics.set_paths(paths)
     metrics.set_step_model(engine.step_model)  # the start-up estimate, before any step ran
-    tracer = TraceRecorder(server_config.trace) if server_config.trace else None
+    tracer = TraceRecorder(server_config.trace, engine.step_model.prior) if server_config.trace else None
 
     def on_step(stats, eng):
         metrics.on_step(stats, eng)
