@@ -67,6 +67,10 @@ def _sizing_args(sizing: StepSizing | None) -> dict:
 class TraceRecorder:
     def __init__(self, path: str | Path, step_prior: StepCost | None = None) -> None:
         self.path = Path(path)
+        try:  # here, at start-up, not when the trace is written at shutdown with the run behind it
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"trace: cannot create the folder for {self.path}: {e}") from None
         # the trace's ``otherData``: what a replay of its steps needs (benchmarks/step_model_replay.py)
         self.other = {} if step_prior is None else {"step_prior": dataclasses.asdict(step_prior)}
         self._lock = threading.Lock()

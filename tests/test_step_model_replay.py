@@ -66,3 +66,11 @@ def test_replay_cli_reports_each_kind_and_names_a_bad_prior(tmp_path, capsys):
         step_model_replay.main(["--trace", str(path), "--prior", "speed=3"])
     assert step_model_replay.parse_prior("StepCost(base=0.01, per_token=0.002, knee=4.0)") == StepCost(
         base=0.01, per_token=0.002, per_seq=0.0, knee=4.0)
+
+
+def test_trace_folder_is_made_at_start_up_or_the_error_names_the_field(tmp_path):
+    TraceRecorder(tmp_path / "new" / "deeper" / "t.json")
+    assert (tmp_path / "new" / "deeper").is_dir()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="^trace: cannot create the folder"):
+        TraceRecorder(tmp_path / "file" / "t.json")
