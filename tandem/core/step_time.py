@@ -23,15 +23,10 @@ Features are scaled by their RMS over the window, so ``prior_weight`` reads as "
 this many steps", and a feature the window never shows (no prefill seen yet) keeps its scaled prior
 coefficient.
 
-A window rarely shows every kind of step: one of full decode batches and whole 512-token prompt
-steps says nothing of how a step with a 16-token chunk beside decodes splits its cost, and the
-ridge alone then puts the prompt steps' cost where its penalty is least. On an AVX2 Zen 3 (w8a8,
-the peers' C=16 load after C=1) it put 240 ms in the once-per-prompt-step term, against the
-start-up estimate's 28, and predicted such a step at 322 ms where it ran 94. So where the prior
-was measured on the machine (``anchored``), each fit also hears it at a few anchor shapes of
-kinds the window has (almost) not seen (``anchors``), timed at the window's speed: replayed over
-that run (``benchmarks/step_model_replay.py``), the mean relative error of its steps with a chunk
-beside decodes fell from 103% to 11%; once the window holds steps of a kind, only they speak for it.
+A window rarely shows every kind of step (a burst's: full decode batches and whole prompt
+steps), and the ridge alone then splits a prompt step's cost where its penalty is least. So a
+prior measured on the machine (``anchored``) also speaks, at the window's speed, for the kinds of
+step the window has (almost) not seen (``anchors``; ``docs/policies.md`` has the run that showed it).
 """
 
 from __future__ import annotations
