@@ -16,7 +16,6 @@ by ``max_num_seqs`` and the KV cache) in one step, as one padded ``generate()`` 
 from __future__ import annotations
 
 import dataclasses
-
 import time
 from typing import Callable, NamedTuple, Protocol
 
