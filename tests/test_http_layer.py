@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import json
 import threading
 import time
@@ -47,6 +48,9 @@ def state(model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def url(state):
     port = free_port()
+    # as ``serve`` does once start-up is done: a full collection of this test process's heap (every
+    # module and test before this one) can otherwise land inside the timed stream below
+    gc.freeze()
     server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -57,6 +61,7 @@ def url(state):
     yield f"http://127.0.0.1:{port}"
     server.should_exit = True
     thread.join(timeout=30)
+    gc.unfreeze()
 
 
 def _local_port(response: httpx.Response) -> int:
