@@ -145,11 +145,10 @@ def notes_lines(args, results: list[PeerResult]) -> list[str]:
             s = row.get("summary") or {}
             if "median_itl_target_ms" in s:
                 counts = ", ".join(f"{s[k]:.0f} {k[len('steps_sized_'):]}" for k in s if k.startswith("steps_sized_"))
+                ends = ", ".join(f"{s[k]:.0f} {k[len('pause_ends_'):]}" for k in s if k.startswith("pause_ends_") and s[k])
                 lines.append(f"- {res.peer} c={row['concurrency']}: ITL target T {s['median_itl_target_ms']:.0f} ms "
                              f"(median); steps by what set their prompt work, as /metrics counted them: {counts}"
-                             + (f"; burst pauses ended by {ends}" if (ends := ", ".join(
-                                 f"{s[k]:.0f} {k[len('pause_ends_'):]}" for k in s
-                                 if k.startswith("pause_ends_") and s[k])) else ""))
+                             + (f"; burst pauses ended by {ends}" if ends else ""))
         prompts = [f"c={row['concurrency']}: {row['mean_prompt_tokens']:.1f}" for row in res.levels
                    if row.get("mean_prompt_tokens") is not None]
         if prompts:

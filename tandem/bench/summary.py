@@ -98,12 +98,10 @@ def sizing_summary(samples: list[tuple[float, dict[str, float]]]) -> dict[str, f
     (``itl``, ``ttft``, ``overrun``, ``pause``, ``none``; counter deltas), the burst pauses it ended by why
     (``burst_pause.END_REASONS``) and the median target T over its samples."""
     out: dict[str, float] = {}
-    counts = {limit: counter_delta(samples, f"sized_{limit}") for limit in SIZING_LIMITS}
-    if any(counts.values()):
-        out.update({f"steps_sized_{limit}": n for limit, n in counts.items() if n is not None})
-    ends = {reason: counter_delta(samples, f"pause_end_{reason}") for reason in END_REASONS}
-    if any(ends.values()):
-        out.update({f"pause_ends_{reason}": n for reason, n in ends.items() if n is not None})
+    for sampled, summed, labels in (("sized_", "steps_sized_", SIZING_LIMITS), ("pause_end_", "pause_ends_", END_REASONS)):
+        counts = {label: counter_delta(samples, sampled + label) for label in labels}
+        if any(counts.values()):
+            out.update({summed + label: n for label, n in counts.items() if n is not None})
     targets = [g["itl_target"] for _, g in samples if g.get("itl_target")]
     if targets:
         out["median_itl_target_ms"] = percentile(targets, 50) * 1000.0
